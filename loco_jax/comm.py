@@ -16,40 +16,51 @@ AxisName = str | tuple[str, ...]
 class LeafLayout(NamedTuple):
   """How one flattened leaf of `size` elements lies on the wire: rows x blocks x block_len.
 
-  Row j (one per device on the axis) is the shard device j averages; each row is cut into
-  `blocks` blocks of `block_len` elements (a multiple of 8, for packing) with one scale each.
-  The leaf is zero-padded to rows * blocks * block_len: every size is compressed, none falls back.
+  Row j (one per device on the axis) is the shard device j averages: `row_len` elements of the
+  zero-padded leaf (`shard_len`, the same whatever the block size, so that sharded parameters
+  and gradient shards line up). Each row is cut into `blocks` blocks of `block_len` elements (a
+  multiple of 8, for packing) with one scale each, zero-padded too: every size is compressed,
+  none falls back to full precision.
   """
   size: int
   rows: int
+  row_len: int
   blocks: int
   block_len: int
 
   @property
-  def row_len(self) -> int:
-    return self.blocks * self.block_len
-
-  @property
   def padded(self) -> int:
-    return self.rows * self.row_len
+    return self.rows * self.blocks * self.block_len
+
+
+def shard_len(size: int, rows: int) -> int:
+  """Elements of each device's shard of a leaf of `size` elements: ceil(size / rows), to 8."""
+  return quant.PACK_UNIT * max(math.ceil(size / rows / quant.PACK_UNIT), 1)
 
 
 def leaf_layout(size: int, rows: int, block_size: int | None) -> LeafLayout:
   """Near-equal blocks of at most about `block_size` elements (None: one block per row)."""
-  row_len = max(math.ceil(size / rows), 1)
+  row_len = shard_len(size, rows)
   blocks = 1 if block_size is None else math.ceil(row_len / block_size)
   block_len = quant.PACK_UNIT * math.ceil(row_len / blocks / quant.PACK_UNIT)
-  return LeafLayout(size, rows, blocks, block_len)
+  return LeafLayout(size, rows, row_len, blocks, block_len)
+
+
+def shard_rows(flat: jax.Array, layout: LeafLayout) -> jax.Array:
+  """[size] -> [rows, row_len], zero-padded: row j is device j's shard."""
+  return jnp.pad(flat, (0, layout.rows * layout.row_len - layout.size)).reshape(layout.rows, -1)
 
 
 def to_rows(flat: jax.Array, layout: LeafLayout) -> jax.Array:
   """[size] -> [rows, blocks, block_len], zero-padded."""
-  flat = jnp.pad(flat, (0, layout.padded - layout.size))
-  return flat.reshape(layout.rows, layout.blocks, layout.block_len)
+  rows = jnp.pad(shard_rows(flat, layout),
+                 ((0, 0), (0, layout.blocks * layout.block_len - layout.row_len)))
+  return rows.reshape(layout.rows, layout.blocks, layout.block_len)
 
 
 def from_rows(rows: jax.Array, layout: LeafLayout) -> jax.Array:
-  """[rows, blocks, block_len] (or any shape of `padded` elements) -> [size]."""
+  """[rows, blocks, block_len] -> [size]; also [rows, row_len] -> [size]."""
+  rows = rows.reshape(layout.rows, -1)[:, : layout.row_len]
   return rows.reshape(-1)[: layout.size]
 
 
@@ -141,28 +152,31 @@ def all_to_all_mean(payloads: Sequence[Payload], bits: int, fixed_scale, flag: j
   return [v.mean(axis=0) for v in values], flags.sum()
 
 
-def gather_bf16(shards: Sequence[jax.Array], flag: jax.Array,
+def gather_bf16(shards: Sequence[jax.Array], layouts: Sequence[LeafLayout], flag: jax.Array,
                 axis_name: AxisName) -> tuple[list[jax.Array], jax.Array]:
-  """All-gathers averaged shards in bfloat16: [blocks, block_len] each -> [rows * row_len] float32.
+  """All-gathers averaged shards in bfloat16: [blocks, block_len] each -> [size] float32.
 
   `flag` (the summed peers' flags) rides along so that it comes back replicated over the axis.
   """
-  flat = [s.reshape(1, -1).astype(jnp.bfloat16) for s in shards]
+  flat = [s.reshape(1, -1)[:, : lay.row_len].astype(jnp.bfloat16)
+          for s, lay in zip(shards, layouts)]
   flat.append(jax.lax.bitcast_convert_type(flag.astype(jnp.float32), jnp.bfloat16).reshape(1, 2))
   buffer, offsets = _frame(flat)
   gathered = jax.lax.all_gather(buffer, axis_name, axis=0, tiled=True, to="invarying")
-  values = [gathered[:, a:b].reshape(-1).astype(jnp.float32) for a, b in offsets[:-1]]
+  values = [from_rows(gathered[:, a:b].astype(jnp.float32), lay)
+            for (a, b), lay in zip(offsets, layouts)]
   a, b = offsets[-1]
   return values, jax.lax.bitcast_convert_type(gathered[0, a:b], jnp.float32)
 
 
-def gather_packed(payloads: Sequence[Payload], bits: int, fixed_scale, flag: jax.Array,
+def gather_packed(payloads: Sequence[Payload], layouts: Sequence[LeafLayout], bits: int,
+                  fixed_scale, flag: jax.Array,
                   axis_name: AxisName) -> tuple[list[jax.Array], jax.Array]:
-  """All-gathers re-quantized shards (one row each) packed to `bits`; -> [rows * row_len] float32."""
+  """All-gathers re-quantized shards (one row each) packed to `bits`; -> [size] float32 each."""
   buffer, offsets = encode_rows(payloads, bits, flag)
   gathered = jax.lax.all_gather(buffer, axis_name, axis=0, tiled=True, to="invarying")
   values, flags = decode_rows(gathered, offsets, payloads, bits, fixed_scale)
-  return [v.reshape(-1) for v in values], flags[0]
+  return [from_rows(v, lay) for v, lay in zip(values, layouts)], flags[0]
 
 
 # --- Wire accounting from the lowered HLO -----------------------------------------------------

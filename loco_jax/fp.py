@@ -1,4 +1,4 @@
-"""Small IEEE-style floats without inf/NaN (CO3's fp4 [1,2,1] and fp8 [1,5,2]): levels, rounding, symbols."""
+"""Small IEEE-style floats, no inf/NaN (CO3 fp4 [1,2,1], fp8 [1,5,2]): levels, rounding, symbols."""
 
 from __future__ import annotations
 
@@ -147,7 +147,7 @@ def quantize(x: ArrayLike, fmt: FloatFormat, scale: ArrayLike = 1.0) -> ArrayLik
 
   Example:
     >>> quantize(np.array([0.2, 0.8, 2.6, 100.0], np.float32), FP4)
-    array([0. , 1. , 3. , 3. ], dtype=float32)
+    array([0., 1., 3., 3.], dtype=float32)
   """
   out_dtype = _out_dtype(x)
   xp, x, scale, n, exponent = _scaled_grid(x, fmt, scale)
@@ -175,8 +175,9 @@ def encode(x: ArrayLike, fmt: FloatFormat, scale: ArrayLike = 1.0) -> ArrayLike:
     raise ValueError(f"encode got {int(np.isnan(x).sum())} NaN value(s); small floats have no "
                      "NaN. Accepted: finite values or ±inf (which saturate). Under jax.jit NaN "
                      "encodes to the negative-zero symbol instead.")
-  # Uniform code formula: n in [0, 2**(m+1)] counts grid steps from the start of the binade
-  # below `exponent`, so it also covers subnormals and rounding up into the next binade.
+  # code = (exponent field - 1) * 2**m + n covers every case with one formula: n is
+  # 2**m + mantissa in a normal binade, the mantissa in the subnormal one (field 0), and
+  # 2**(m + 1) when rounding carried into the next binade.
   code = (exponent.astype(np.int32) + (fmt.bias - 1)) * (2 ** m) + n.astype(np.int32)
   negative = (x < 0) & (code > 0)
   symbols = xp.where(negative, code + sign_bit, code)

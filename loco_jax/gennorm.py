@@ -1,4 +1,4 @@
-"""Generalized normal (GenNorm) gradient model: fit, sample, quantiles, fp symbol entropy, W2 checks."""
+"""GenNorm gradient model: fit, sampling, quantiles, small-float symbol entropy, W2 validation."""
 
 from __future__ import annotations
 
@@ -222,6 +222,8 @@ def fit(x: ArrayLike, loc: float | None = 0.0, beta: float | None = None) -> Gen
   if not np.all(np.isfinite(x)):
     raise ValueError(f"fit needs finite values; got {int(np.sum(~np.isfinite(x)))} non-finite "
                      f"of {x.size}.")
+  if x.size < 2:
+    raise ValueError(f"fit needs at least 2 values, got {x.size}.")
   loc = float(np.median(x)) if loc is None else float(loc)
   z = np.abs(x - loc)
   unit = z.max() if z.size else 0.0

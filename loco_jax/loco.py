@@ -22,6 +22,8 @@ class LocoState(NamedTuple):
   gather_error: Any           # int8 [row_len] per leaf: the shard's error (gather="quantized")
   gather_scale: Any           # float32 [blocks] per leaf (gather="quantized" with block scales)
 
+  PER_DEVICE = ("error", "error_scale", "gather_error", "gather_scale")
+
 
 def _concrete(x) -> bool:
   return not isinstance(x, jax.core.Tracer)
@@ -124,7 +126,7 @@ def loco(
   float32, and an all-gather returns the averaged shards in bfloat16 (`gather="bf16"`, 4 + 16
   bits a parameter) or re-quantized to `bits` with a second error kept for the shard
   (`gather="quantized"`, about 4 + 4). `scatter=True` skips the gather and returns this device's
-  shard of each leaf, flat [row_len] (see `comm.leaf_layout`), for sharded optimizers. With an
+  shard of each leaf, flat [comm.shard_len(size, axis size)], for sharded optimizers. With an
   axis, create the state inside `shard_map` and declare it with `state_specs`: the errors differ
   per device.
 
@@ -201,22 +203,22 @@ def loco(
       if scatter:
         # No gather follows to bring the flags back replicated: one 4-byte all-reduce does.
         flags = jax.lax.psum(flag, axis_name)
-        averaged = [s.reshape(-1) + flags for s in shards]
+        averaged = [s.reshape(-1)[: lay.row_len] + flags for s, lay in zip(shards, layouts)]
       elif gather == "bf16":
-        gathered, flags = comm.gather_bf16(shards, flags, axis_name)
-        averaged = [v[: lay.size] + flags for v, lay in zip(gathered, layouts)]
+        gathered, flags = comm.gather_bf16(shards, layouts, flags, axis_name)
+        averaged = [v + flags for v in gathered]
       else:
         gather_errors, gather_scales = flat_state(state.gather_error), flat_state(
             state.gather_scale)
         shard_sent = []
         new_gather_errors, new_gather_scales = list(gather_errors), list(gather_scales)
         for i, s, lay in zip(chosen, shards, layouts):
-          send = LeafLayout(lay.row_len, 1, lay.blocks, lay.block_len)
-          fb = step(s.reshape(-1), gather_errors[i], gather_scales[i], send)
+          send = LeafLayout(lay.row_len, 1, lay.row_len, lay.blocks, lay.block_len)
+          fb = step(s.reshape(-1)[: lay.row_len], gather_errors[i], gather_scales[i], send)
           new_gather_errors[i], new_gather_scales[i] = fb.error, fb.error_scale
           shard_sent.append(fb.sent)
-        gathered, flags = comm.gather_packed(shard_sent, bits, scale, flags, axis_name)
-        averaged = [v[: lay.size] + flags for v, lay in zip(gathered, layouts)]
+        gathered, flags = comm.gather_packed(shard_sent, layouts, bits, scale, flags, axis_name)
+        averaged = [v + flags for v in gathered]
         new_gather_errors, new_gather_scales = _keep_if(
             jnp.isfinite(flags), (new_gather_errors, new_gather_scales),
             (gather_errors, gather_scales))
@@ -243,17 +245,18 @@ def loco(
 
 
 def state_specs(state: Any, axis_name: AxisName) -> Any:
-  """PartitionSpecs for an optimizer state holding LocoStates, for `jax.shard_map`.
+  """PartitionSpecs for an optimizer state, for `jax.shard_map` over `axis_name`.
 
-  LoCo's errors differ per device, so they are split over `axis_name` (their global arrays
-  stack every device's error); its step counter and every other state is replicated.
+  Fields that a state class lists in `PER_DEVICE` (LoCo's errors, a baseline's error) differ per
+  device, so they are split over the axis (their global arrays stack every device's copy);
+  every other leaf (step counters, the state of adamw after the average) is replicated.
   Example:
     >>> specs = state_specs(jax.eval_shape(init_inside_shard_map, params), "data")
   """
   def spec(node):
-    if isinstance(node, LocoState):
-      per_device = lambda tree: jax.tree.map(lambda _: P(axis_name), tree)
-      return LocoState(P(), per_device(node.error), per_device(node.error_scale),
-                       per_device(node.gather_error), per_device(node.gather_scale))
+    if hasattr(node, "PER_DEVICE") and hasattr(node, "_fields"):
+      return type(node)(*[
+          jax.tree.map(lambda _: P(axis_name) if name in node.PER_DEVICE else P(), value)
+          for name, value in zip(node._fields, node)])
     return jax.tree.map(lambda _: P(), node)
-  return jax.tree.map(spec, state, is_leaf=lambda n: isinstance(n, LocoState))
+  return jax.tree.map(spec, state, is_leaf=lambda n: hasattr(n, "PER_DEVICE"))

@@ -1,12 +1,19 @@
-"""Meshes, per-device optimizer state and data-parallel train steps under `jax.shard_map`."""
+"""Meshes, multi-host start-up, and DDP / ZeRO-2 train steps under `jax.shard_map`."""
+
+import os
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import AxisType, Mesh
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from loco_jax import comm, quant
 from loco_jax.loco import state_specs
+
+MODES = ("ddp", "zero2")
+PARAM_GATHERS = ("compute", "int8")
 
 
 def data_mesh(num_devices: int | None = None, axis_name: str = "data") -> Mesh:
@@ -20,6 +27,15 @@ def data_mesh(num_devices: int | None = None, axis_name: str = "data") -> Mesh:
                        devices=jax.devices()[:num_devices])
 
 
+def node_mesh(nodes: int, local: int, axis_names: tuple[str, str] = ("node", "local")) -> Mesh:
+  """A 2-D (node, local) mesh of nodes * local devices, for `hierarchical.two_hop`."""
+  if nodes < 1 or local < 1 or nodes * local > jax.device_count():
+    raise ValueError(f"nodes * local must be in 1..{jax.device_count()} (devices present), "
+                     f"got {nodes} x {local}")
+  return jax.make_mesh((nodes, local), axis_names, axis_types=(AxisType.Auto,) * 2,
+                       devices=jax.devices()[: nodes * local])
+
+
 def _check_axis(mesh: Mesh, axis_name: str) -> None:
   if axis_name not in mesh.axis_names:
     raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh; its axes are "
@@ -27,18 +43,20 @@ def _check_axis(mesh: Mesh, axis_name: str) -> None:
 
 
 def opt_state_specs(optimizer: optax.GradientTransformation, params, mesh: Mesh,
-                    axis_name: str):
+                    axis_name: str | tuple[str, ...]):
   """PartitionSpecs of `optimizer.init(params)` inside shard_map: LoCo errors per device."""
-  _check_axis(mesh, axis_name)
-  size = mesh.shape[axis_name]
-  shapes = jax.eval_shape(
-      jax.vmap(lambda _: optimizer.init(params), axis_name=axis_name, axis_size=size),
-      jnp.zeros(size))
+  names = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+  for name in names:
+    _check_axis(mesh, name)
+  init = lambda _: optimizer.init(params)
+  for name in reversed(names):  # bind every axis so that init can ask for its size
+    init = jax.vmap(init, axis_name=name, axis_size=mesh.shape[name])
+  shapes = jax.eval_shape(init, jnp.zeros([mesh.shape[name] for name in names]))
   return state_specs(shapes, axis_name)
 
 
 def init_opt_state(optimizer: optax.GradientTransformation, params, mesh: Mesh,
-                   axis_name: str = "data"):
+                   axis_name: str | tuple[str, ...] = "data"):
   """Runs `optimizer.init` on every device of the mesh; returns the state and its specs.
 
   Example:
@@ -48,3 +66,200 @@ def init_opt_state(optimizer: optax.GradientTransformation, params, mesh: Mesh,
   specs = opt_state_specs(optimizer, params, mesh, axis_name)
   init = jax.jit(jax.shard_map(optimizer.init, mesh=mesh, in_specs=P(), out_specs=specs))
   return init(params), specs
+
+
+def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
+               process_id: int | None = None, local_device_ids=None,
+               cpu_collectives: str = "gloo", **kwargs) -> None:
+  """Joins a multi-host job: `jax.distributed.initialize` with explicit arguments or, where they
+  are None, the usual environment (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID;
+  on TPU pods, Slurm and Open MPI jax finds them itself). Call it before anything else touches
+  jax devices. On CPU it selects `cpu_collectives` ("gloo") so that collectives cross processes.
+
+  Example:
+    >>> parallel.initialize("10.0.0.1:1234", num_processes=2, process_id=0)
+  """
+  env = os.environ
+  coordinator_address = coordinator_address or env.get("JAX_COORDINATOR_ADDRESS")
+  if num_processes is None and "JAX_NUM_PROCESSES" in env:
+    num_processes = int(env["JAX_NUM_PROCESSES"])
+  if process_id is None and "JAX_PROCESS_ID" in env:
+    process_id = int(env["JAX_PROCESS_ID"])
+  if num_processes is not None and num_processes < 1:
+    raise ValueError(f"num_processes must be >= 1, got {num_processes}")
+  if process_id is not None and num_processes is not None and not 0 <= process_id < num_processes:
+    raise ValueError(f"process_id must be in 0..{num_processes - 1}, got {process_id}")
+  if cpu_collectives:
+    jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
+  jax.distributed.initialize(coordinator_address, num_processes, process_id,
+                             local_device_ids=local_device_ids, **kwargs)
+
+
+class TrainState(NamedTuple):
+  """params: full (ddp) or this device's float32 master shard of each leaf (zero2)."""
+  params: Any
+  compressor_state: Any
+  opt_state: Any
+  step: jax.Array
+
+
+def _shard_specs_of(shapes, axis_name):
+  """zero2 optimizer state: every array with an axis lives on shards; scalars are replicated."""
+  return jax.tree.map(lambda x: P(axis_name) if x.ndim else P(), shapes)
+
+
+def _local_shard_shapes(params, num_shards):
+  return jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct((comm.shard_len(x.size, num_shards),), jnp.float32), params)
+
+
+def shard_params(params, mesh: Mesh, axis_name: str = "data"):
+  """Full params -> float32 master shards per leaf: a global [N * shard_len] array split on the axis."""
+  _check_axis(mesh, axis_name)
+  n = mesh.shape[axis_name]
+  def shard(x):
+    flat = comm.shard_rows(jnp.ravel(x).astype(jnp.float32),
+                           comm.leaf_layout(x.size, n, None)).reshape(-1)
+    return jax.device_put(flat, NamedSharding(mesh, P(axis_name)))
+  return jax.tree.map(shard, params)
+
+
+def unshard_params(shards, like):
+  """Inverse of `shard_params` (on global arrays): the full leaves, shaped and typed like `like`."""
+  return jax.tree.map(lambda s, x: s[: x.size].reshape(x.shape).astype(x.dtype), shards, like)
+
+
+def init_train_state(params, optimizer: optax.GradientTransformation, mesh: Mesh, *,
+                     compressor: optax.GradientTransformation | None = None,
+                     mode: str = "ddp", axis_name: str = "data"):
+  """A TrainState on the mesh and its PartitionSpecs.
+
+  ddp: params replicated, `optimizer` state replicated (but for per-device error fields).
+  zero2: params become float32 master shards and the optimizer state lives on those shards,
+  about 1/N of ddp's per device; `compressor` (e.g. `loco(axis_name=..., scatter=True)`) keeps
+  its per-device errors of the full gradient.
+  """
+  if mode not in MODES:
+    raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+  _check_axis(mesh, axis_name)
+  if mode == "zero2" and compressor is None:
+    raise ValueError("mode='zero2' needs a compressor with reduce-scatter semantics, e.g. "
+                     "loco(axis_name='data', scatter=True) or parallel.reduce_scatter('data')")
+  n = mesh.shape[axis_name]
+  compressor = compressor or optax.identity()
+  comp_specs = opt_state_specs(compressor, params, mesh, axis_name)
+  if mode == "ddp":
+    opt_specs = opt_state_specs(optimizer, params, mesh, axis_name)
+    param_specs = jax.tree.map(lambda _: P(), params)
+    placed = jax.device_put(params, NamedSharding(mesh, P()))
+    opt_init = optimizer.init
+  else:
+    local = _local_shard_shapes(params, n)
+    opt_specs = _shard_specs_of(jax.eval_shape(optimizer.init, local), axis_name)
+    param_specs = jax.tree.map(lambda _: P(axis_name), params)
+    placed = shard_params(params, mesh, axis_name)
+    opt_init = optimizer.init
+  specs = TrainState(param_specs, comp_specs, opt_specs, P())
+  full = jax.device_put(params, NamedSharding(mesh, P()))
+
+  def init(full_params, placed_params):
+    return TrainState(placed_params, compressor.init(full_params), opt_init(placed_params),
+                      jnp.zeros([], jnp.int32))
+
+  state = jax.jit(jax.shard_map(init, mesh=mesh, in_specs=(P(), param_specs),
+                                out_specs=specs))(full, placed)
+  return state, specs
+
+
+def reduce_scatter(axis_name: str = "data") -> optax.GradientTransformation:
+  """Plain ZeRO-2 gradient averaging: a float32 reduce-scatter per leaf -> this device's shard.
+
+  The uncompressed comparator of `loco(axis_name=..., scatter=True)`; same shard layout.
+  """
+  def update_fn(updates, state, params=None):
+    del params
+    n = comm.axis_size(axis_name, "reduce_scatter")
+    def shard(g):
+      rows = comm.shard_rows(g.reshape(-1).astype(jnp.float32), comm.leaf_layout(g.size, n, None))
+      return jax.lax.psum_scatter(rows, axis_name, scatter_dimension=0, tiled=True).reshape(-1) / n
+    return jax.tree.map(shard, updates), state
+  return optax.GradientTransformation(lambda _: optax.EmptyState(), update_fn)
+
+
+def _gather_params(shards, like, axis_name: str, compute_dtype, how: str, block_size: int):
+  """Master shards -> full params in the compute dtype (or through int8 with block scales)."""
+  leaves, treedef = jax.tree.flatten(like)
+  local = treedef.flatten_up_to(shards)
+  n = comm.axis_size(axis_name, "train step")
+  layouts = [comm.leaf_layout(x.size, n, block_size) for x in leaves]
+  if how == "int8":
+    payloads = []
+    for s, lay in zip(local, layouts):
+      rows = comm.to_rows(s, comm.LeafLayout(lay.row_len, 1, lay.row_len, lay.blocks,
+                                             lay.block_len))
+      scales = quant.absmax_scale(rows, 8)
+      payloads.append(comm.Payload(quant.compress(rows, scales[..., None], 8), scales))
+    full, _ = comm.gather_packed(payloads, layouts, 8, None, jnp.zeros((), jnp.float32),
+                                 axis_name)
+  else:
+    full = [comm.from_rows(jax.lax.all_gather(s.astype(compute_dtype), axis_name, axis=0,
+                                              tiled=True, to="invarying"), lay)
+            for s, lay in zip(local, layouts)]
+  return treedef.unflatten([f.reshape(x.shape).astype(compute_dtype)
+                            for f, x in zip(full, leaves)])
+
+
+def make_train_step(loss_fn: Callable[[Any, Any], jax.Array],
+                    optimizer: optax.GradientTransformation, mesh: Mesh, specs: TrainState,
+                    params_like, *, compressor: optax.GradientTransformation | None = None,
+                    mode: str = "ddp", axis_name: str = "data", compute_dtype=jnp.float32,
+                    param_gather: str = "compute", block_size: int = 2048):
+  """A jitted `step(state, batch) -> (state, mean loss)` for `loss_fn(params, batch)`.
+
+  The batch's leading axis is split over `axis_name`. ddp: `compressor` (or, when None, the
+  optimizer itself, e.g. `optax.chain(loco(axis_name=...), optax.adamw(...))`) must average the
+  gradients over the axis. zero2: every device gathers the parameters in `compute_dtype` from
+  the float32 master shards (`param_gather="int8"`: int8 with absmax block scales, ZeRO++ qwZ
+  style), computes its gradient, the compressor returns this device's averaged gradient shard,
+  and the optimizer updates the master shard.
+  Example:
+    >>> state, specs = init_train_state(params, optax.adamw(1e-3), mesh,
+    ...                                 compressor=loco(axis_name="data"))
+    >>> step = make_train_step(loss_fn, optax.adamw(1e-3), mesh, specs, params,
+    ...                        compressor=loco(axis_name="data"))
+    >>> state, loss = step(state, batch)
+  """
+  if mode not in MODES:
+    raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+  if param_gather not in PARAM_GATHERS:
+    raise ValueError(f"param_gather must be one of {PARAM_GATHERS}, got {param_gather!r}")
+  _check_axis(mesh, axis_name)
+  n = mesh.shape[axis_name]
+  compressor = compressor or optax.identity()
+  like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params_like)
+
+  def local_step(state: TrainState, batch):
+    if mode == "ddp":
+      params = state.params
+    else:
+      params = _gather_params(state.params, like, axis_name, compute_dtype, param_gather,
+                              block_size)
+    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+    grads, comp_state = compressor.update(grads, state.compressor_state, params)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    new_params = optax.apply_updates(state.params, updates)
+    return (TrainState(new_params, comp_state, opt_state, state.step + 1),
+            jax.lax.pmean(loss, axis_name))
+
+  sharded = jax.jit(jax.shard_map(local_step, mesh=mesh, in_specs=(specs, P(axis_name)),
+                                  out_specs=(specs, P())), donate_argnums=0)
+
+  def step(state: TrainState, batch):
+    for x in jax.tree.leaves(batch):
+      if x.shape[0] % n:
+        raise ValueError(f"batch size {x.shape[0]} is not divisible by the {n} devices of "
+                         f"axis {axis_name!r}")
+    return sharded(state, batch)
+
+  step.jitted = sharded  # for lowering: comm.lowered_collectives(step.jitted, state, batch)
+  return step

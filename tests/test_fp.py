@@ -131,10 +131,10 @@ def test_jit_matches_numpy_bit_for_bit(fmt):
       fp.levels(fmt).astype(np.float32),  # exact levels
       (0.5 * (fp.levels(fmt)[1:] + fp.levels(fmt)[:-1])).astype(np.float32),  # exact ties
   ])
+  quantize_jit = jax.jit(lambda v, s: fp.quantize(v, fmt, s))
+  encode_jit = jax.jit(lambda v, s: fp.encode(v, fmt, s))
+  decode_jit = jax.jit(lambda v, s: fp.decode(v, fmt, s))
   for scale in (1.0, 0.37, 1234.5):
-    quantize_jit = jax.jit(lambda v, s: fp.quantize(v, fmt, s))
-    encode_jit = jax.jit(lambda v, s: fp.encode(v, fmt, s))
-    decode_jit = jax.jit(lambda v, s: fp.decode(v, fmt, s))
     expected = fp.quantize(x, fmt, scale)
     got = np.asarray(quantize_jit(jnp.asarray(x), jnp.float32(scale)))
     np.testing.assert_array_equal(got.view(np.uint32), expected.view(np.uint32))
