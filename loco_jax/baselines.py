@@ -102,12 +102,6 @@ class _Codec(NamedTuple):
   average: Callable[[list, jax.Array, AxisName], tuple[list[jax.Array], jax.Array]]
 
 
-def _gather(shards: list[jax.Array], layouts: list, flags: jax.Array,
-            axis_name: AxisName) -> tuple[list[jax.Array], jax.Array]:
-  gathered, flags = comm.gather_bf16(shards, flags, axis_name)
-  return [v[: lay.size] for v, lay in zip(gathered, layouts)], flags
-
-
 def _block_codec(bits: int, block_size: int) -> _Codec:
   """Absmax block quantization to `bits`; LoCo's all-to-all of packed codes, then a bf16 gather."""
   def encode(h, rows):
@@ -118,7 +112,7 @@ def _block_codec(bits: int, block_size: int) -> _Codec:
   def average(messages, flag, axis_name):
     payloads, layouts = zip(*messages)
     shards, flags = comm.all_to_all_mean(payloads, bits, None, flag, axis_name)
-    return _gather(shards, layouts, flags, axis_name)
+    return comm.gather_bf16(shards, layouts, flags, axis_name)
 
   return _Codec(encode, average)
 
@@ -151,7 +145,7 @@ def _sign_codec(block_size: int) -> _Codec:
       scales = comm._from_bytes(field(2 * j + 1), jnp.float32, (n, p.scales.shape[1]))
       shards.append(_sign_values(Payload(codes, scales)).mean(axis=0))
     flags = comm._from_bytes(field(len(offsets) - 1), jnp.float32, (n,))
-    return _gather(shards, layouts, flags.sum(), axis_name)
+    return comm.gather_bf16(shards, layouts, flags.sum(), axis_name)
 
   return _Codec(encode, average)
 
@@ -162,8 +156,14 @@ def _topk_count(size: int, fraction: float) -> int:
 
 
 def _scatter_mean(idx_NxK: jax.Array, vals_NxK: jax.Array, size: int) -> jax.Array:
-  """Sum of N devices' sparse vectors (indices, values) divided by N -> [size] float32."""
-  summed = jnp.zeros((size,), jnp.float32).at[idx_NxK.reshape(-1)].add(vals_NxK.reshape(-1))
+  """Sum of N devices' sparse vectors (indices, values) divided by N -> [size] float32.
+
+  One scatter-add per device, in device order, each with unique indices: every device adds in
+  the same order (no atomics racing on a GPU), so the output is the same on all of them.
+  """
+  summed = jnp.zeros((size,), jnp.float32)
+  for idx_K, vals_K in zip(idx_NxK, vals_NxK):
+    summed = summed.at[idx_K].add(vals_K, unique_indices=True)
   return summed / idx_NxK.shape[0]
 
 
@@ -230,7 +230,8 @@ def uncompressed(axis_name: AxisName | None = None) -> optax.GradientTransformat
   """The mean of the gradients over `axis_name` in float32 (`jax.lax.pmean`, a ring all-reduce).
 
   Without an axis it is the identity. Non-float and zero-size leaves pass through; the output
-  keeps each gradient's dtype (float16 and bfloat16 gradients are averaged in float32).
+  keeps each gradient's dtype (float16 and bfloat16 gradients are averaged in float32). There
+  is no state: a non-finite gradient stays non-finite in its leaf of the output.
 
   Example:
     >>> opt = optax.chain(baselines.uncompressed(axis_name="data"), optax.adamw(3e-4))

@@ -5,19 +5,8 @@ import zlib
 
 import numpy as np
 
-# Which mode wins where (measured by loco_jax.codec_bench and tests; fp4 symbols of GenNorm data
-# at the MSE-good scale, size / empirical entropy):
-#   4M symbols: single-symbol Huffman 1.008 / 1.021 / 1.011 at beta 0.5 / 1 / 2; pairs 1.006 /
-#     1.005 / 1.005, and pairs code half as many letters, so they are also the faster mode.
-#     The sent table costs < 100 bytes, so a model-derived table only helps if the model is
-#     exact; a fitted GenNorm that is slightly off costs more than the table it saves.
-#   1K symbols: the table is 8 bytes for single symbols but ~60-90 bytes for pairs (~15-25% of
-#     the payload), so pairs lose to single symbols unless the table comes from a model, where
-#     model-derived pairs are smallest (no table, pair gain kept).
-# Rule of thumb: encode_pairs for fp4 streams above ~20K symbols, encode_pairs(probabilities=p)
-# when both sides share a fitted model, plain encode for small streams without a model and for
-# symbols of more than 4 bits (fp8).
-
+# Pair tables at GenNorm beta 0.5 need 14-15 bits (1.0116x entropy at 13, 1.0111x at 15); the
+# decoder's 2**15-entry lookup tables still sit in L2.
 DEFAULT_MAX_CODE_LENGTH = 15
 MAX_CODE_LENGTH = 16  # code lengths travel as nibbles holding length - 1
 
@@ -25,7 +14,8 @@ _MAGIC = b"LH"
 _VERSION = 1
 _FLAG_PAIRS = 1
 _FLAG_MODEL = 2
-_KNOWN_FLAGS = _FLAG_PAIRS | _FLAG_MODEL
+_FLAG_FLOOR = 4  # with _FLAG_MODEL: letters the model calls impossible have codes too
+_KNOWN_FLAGS = _FLAG_PAIRS | _FLAG_MODEL | _FLAG_FLOOR
 
 # Letters of one independently coded lane. Lanes are decoded in lock step (one numpy call per
 # step covers every lane), so big lanes mean few Python-level steps; each lane costs ~10 bits
@@ -35,10 +25,20 @@ _LANE_LETTERS = 2048
 # doubling, whose cost grows with the bit count rather than with the letters per lane.
 _ONE_LANE_LETTERS = 1 << 15
 _MAX_LANE_LETTERS = 1 << 16  # bounds the decoder's Python-level steps on hostile input
-# Model-derived tables give every letter at least this much probability mass, so that letters
-# the model calls impossible still get a (long) code.
+# When the data holds a letter its model calls impossible, the model-derived table gives every
+# letter at least this much probability, so that all get a (long) code. Streams without such
+# letters skip the floor: it would cost a bit on the least likely letter (0.7% at fp4 beta 2).
 _PROBABILITY_FLOOR = 2.0 ** -20
 
+
+# Stream layout (varint = LEB128, minimal):
+#   "LH", version 1, flags (1 pairs, 2 model table, 4 model table with floor), symbol count
+#   (varint), CRC32 of the symbols (4 bytes, little-endian); nothing more if the count is 0.
+#   Table: the model's max_code_length (1 byte), or: largest used letter (1 byte), presence
+#   bitmap of letters 0..largest (MSB first), (length - 1) nibbles of the used letters.
+#   Lanes: letters per lane (varint), base bit length (varint), width (1 byte), then every
+#   lane's bit length minus base in `width` bits (MSB first). Payload: the lanes' canonical
+#   codes back to back, MSB first, zero-padded to a byte.
 
 # ----------------------------------------------------------------------------- code tables
 
@@ -60,8 +60,8 @@ def code_lengths(weights: np.ndarray,
     uint8[256] code lengths.
 
   Example:
-    >>> code_lengths(np.array([5, 1, 1, 1]), 2)
-    array([2, 2, 2, 2, 0, ...], dtype=uint8)
+    >>> code_lengths(np.array([5, 1, 1, 1]), 2)[:4]  # unlimited Huffman: [1, 3, 3, 2]
+    array([2, 2, 2, 2], dtype=uint8)
   """
   _check_max_code_length(max_code_length)
   weights = np.asarray(weights, dtype=np.float64)
@@ -146,7 +146,8 @@ def _decode_tables(lengths_bytes: bytes) -> tuple[np.ndarray, np.ndarray, int]:
 
 
 @functools.lru_cache(maxsize=64)
-def _model_lengths(probabilities_bytes: bytes, pairs: bool, max_code_length: int) -> np.ndarray:
+def _model_lengths(probabilities_bytes: bytes, pairs: bool, max_code_length: int,
+                   floor: bool) -> np.ndarray:
   probabilities = np.frombuffer(probabilities_bytes, np.float64)
   if pairs and probabilities.size <= 16:
     per_symbol = np.zeros(16)
@@ -155,12 +156,16 @@ def _model_lengths(probabilities_bytes: bytes, pairs: bool, max_code_length: int
   letter_probabilities = np.zeros(256)
   letter_probabilities[:probabilities.size] = probabilities
   letter_probabilities /= letter_probabilities.sum()
-  lengths = code_lengths(letter_probabilities + _PROBABILITY_FLOOR, max_code_length)
+  if floor:
+    letter_probabilities += _PROBABILITY_FLOOR
+  lengths = code_lengths(letter_probabilities, max_code_length)
   lengths.setflags(write=False)
   return lengths
 
 
-def _model_code_lengths(probabilities, pairs: bool, max_code_length: int) -> np.ndarray:
+def _model_code_lengths(probabilities, pairs: bool, max_code_length: int,
+                        floor: bool) -> np.ndarray:
+  """Code lengths both sides derive from the model; all 256 letters get a code with `floor`."""
   probabilities = np.asarray(probabilities, dtype=np.float64)
   if (probabilities.ndim != 1 or not 1 <= probabilities.size <= 256
       or not np.all(np.isfinite(probabilities)) or np.any(probabilities < 0)
@@ -170,9 +175,10 @@ def _model_code_lengths(probabilities, pairs: bool, max_code_length: int) -> np.
         f"positive sum (index = symbol; for pairs, at most 16 per-symbol probabilities or up "
         f"to 256 per-pair ones, pair = first << 4 | second), got shape {probabilities.shape}.")
   if max_code_length < 8:
-    raise ValueError(f"a model-derived table codes all 256 letters, which needs "
+    raise ValueError(f"a model-derived table may have to code all 256 letters, which needs "
                      f"max_code_length >= 8, got {max_code_length}.")
-  return _model_lengths(np.ascontiguousarray(probabilities).tobytes(), pairs, max_code_length)
+  return _model_lengths(np.ascontiguousarray(probabilities).tobytes(), pairs, max_code_length,
+                        floor)
 
 
 def _check_max_code_length(max_code_length: int) -> None:
@@ -191,8 +197,21 @@ def encode(symbols: np.ndarray, *, max_code_length: int = DEFAULT_MAX_CODE_LENGT
 
   The stream holds a magic and version, the symbol count, a CRC32 of the symbols, the code
   lengths (unless `probabilities` is given: then both sides derive them from that model and
-  only a flag is sent), a table of lane bit lengths and the bit payload. Lanes of 2048 symbols
-  are coded independently so that decode can run them in parallel.
+  only a flag is sent), a table of lane bit lengths and the bit payload. Lanes of 2048
+  letters are coded independently so that decode can run them in parallel.
+
+  Which mode wins where (codec_bench; fp4 symbols of GenNorm data at CO3's scale, beta
+  0.5 / 1 / 2, size over n * empirical entropy):
+  - 4M symbols: encode 1.049 / 1.024 / 1.013, encode_pairs 1.011 / 1.006 / 1.006 (its own
+    bound, ideal pair Huffman, is 1.009 / 1.004 / 1.005); a model table (exact GenNorm
+    probabilities) codes as well as a sent table and saves its <100 bytes. Pairs also halve
+    the letters to code, so they are the fastest mode too.
+  - 1K symbols (~260-490 bytes): the pair table (~60-90 bytes) outweighs the pair gain:
+    pairs 290 / 423 / 493 bytes vs 262 / 379 / 435 for encode; with a shared model pairs
+    win: 247 / 366 / 425 (encode with the model: 255 / 372 / 427). Pairs with a sent table
+    overtake encode from about 6K / 10K / 20K symbols on.
+  So: encode_pairs for fp4 gradients, with probabilities= when both sides share a fitted
+  GenNorm; encode for wider symbols (fp8) and small streams without a model.
 
   Args:
     symbols: uint8 array.
@@ -252,19 +271,24 @@ def _check_symbols(symbols) -> np.ndarray:
 def _encode_letters(letters: np.ndarray, symbols: np.ndarray, *, pairs: bool,
                     max_code_length: int, probabilities) -> bytes:
   _check_max_code_length(max_code_length)
-  flags = (_FLAG_PAIRS if pairs else 0) | (_FLAG_MODEL if probabilities is not None else 0)
+  flags = _FLAG_PAIRS if pairs else 0
+  counts = np.bincount(letters, minlength=256)
   if probabilities is not None:
-    lengths = _model_code_lengths(probabilities, pairs, max_code_length)
+    flags |= _FLAG_MODEL
+    lengths = _model_code_lengths(probabilities, pairs, max_code_length, floor=False)
+    if np.any(lengths[counts > 0] == 0):  # a letter the model calls impossible
+      flags |= _FLAG_FLOOR
+      lengths = _model_code_lengths(probabilities, pairs, max_code_length, floor=True)
   elif letters.size:
-    lengths = code_lengths(np.bincount(letters, minlength=256), max_code_length)
+    lengths = code_lengths(counts, max_code_length)
   header = [_MAGIC, bytes([_VERSION, flags]), _varint(symbols.size),
             zlib.crc32(symbols).to_bytes(4, "little")]
   if not letters.size:
     return b"".join(header)
   header.append(bytes([max_code_length]) if probabilities is not None
                 else _pack_lengths(lengths))
-  payload, lane_bits = _write_bits(letters, lengths)
   lane_letters = letters.size if letters.size <= _ONE_LANE_LETTERS else _LANE_LETTERS
+  payload, lane_bits = _write_bits(letters, lengths, lane_letters)
   header.append(_pack_lanes(lane_letters, lane_bits))
   header.append(payload)
   return b"".join(header)
@@ -292,7 +316,8 @@ def _pack_lanes(lane_letters: int, lane_bits: np.ndarray) -> bytes:
           + np.packbits(bits.reshape(-1)).tobytes())
 
 
-def _write_bits(letters: np.ndarray, lengths: np.ndarray) -> tuple[bytes, np.ndarray]:
+def _write_bits(letters: np.ndarray, lengths: np.ndarray,
+                lane_letters: int) -> tuple[bytes, np.ndarray]:
   """MSB-first concatenation of the letters' codes, and the bit length of every lane."""
   lengths = np.asarray(lengths, np.uint8)
   # Codes left-aligned in 64 bits: shifting one right by its start's offset within a 32-bit
@@ -303,7 +328,6 @@ def _write_bits(letters: np.ndarray, lengths: np.ndarray) -> tuple[bytes, np.nda
   np.cumsum(lengths.take(letters), out=bounds[1:])
   start = bounds[:-1]
   total_bits = int(bounds[-1])
-  lane_letters = n if n <= _ONE_LANE_LETTERS else _LANE_LETTERS
   lane_ends = bounds[np.minimum(np.arange(lane_letters, n + lane_letters, lane_letters), n)]
   lane_bits = np.diff(lane_ends, prepend=0)
   windows = left_aligned.take(letters)
@@ -371,7 +395,8 @@ def decode(data: bytes, *, max_symbols: int | None = None,
   Every stream that is not exactly one that encode could have made raises ValueError:
   truncation, trailing bytes, corrupt tables, a payload that does not parse into the lanes
   the header promises, or a CRC32 mismatch. Claimed sizes are checked against `max_symbols`
-  and against what the payload could hold before anything large is allocated.
+  and against what the payload could hold before anything large is allocated; memory stays
+  proportional to len(data). A `data` that is not bytes-like raises TypeError.
 
   Args:
     data: the stream (bytes, bytearray or memoryview).
@@ -402,6 +427,8 @@ def decode(data: bytes, *, max_symbols: int | None = None,
     raise ValueError(f"Huffman stream holds {count} symbols, more than max_symbols="
                      f"{max_symbols}.")
   crc = int.from_bytes(reader.take(4, "CRC32"), "little")
+  if flags & _FLAG_FLOOR and not flags & _FLAG_MODEL:
+    raise ValueError(f"corrupt Huffman stream: flags {flags:#x} set floor without model.")
   if flags & _FLAG_MODEL:
     if probabilities is None:
       raise ValueError("this Huffman stream was coded with a model table: pass the encoder's "
@@ -419,7 +446,8 @@ def decode(data: bytes, *, max_symbols: int | None = None,
   if flags & _FLAG_MODEL:
     max_code_length = reader.byte("max code length")
     _check_max_code_length(max_code_length)
-    lengths = _model_code_lengths(probabilities, pairs, max_code_length)
+    lengths = _model_code_lengths(probabilities, pairs, max_code_length,
+                                  floor=bool(flags & _FLAG_FLOOR))
   else:
     lengths = _unpack_lengths(reader)
   used_lengths = lengths[lengths > 0].astype(np.int64)
@@ -525,7 +553,7 @@ def _bit_windows(payload: np.ndarray, pad_bytes: int) -> np.ndarray:
   padded[:payload.size] = payload
   windows = np.empty((n_words, 4), np.uint32)
   for shift in range(4):
-    windows[:, shift] = np.frombuffer(padded[shift:shift + 4 * n_words].tobytes(), ">u4")
+    windows[:, shift] = np.frombuffer(padded, ">u4", count=n_words, offset=shift)
   return windows.reshape(-1)
 
 
@@ -549,10 +577,10 @@ def _decode_payload(payload: np.ndarray, lengths: np.ndarray, lane_letters: int,
   total_bits = int(lane_ends[-1])
   n_letters = int(lane_counts.sum())
   rounds = max(lane_letters - 1, 1).bit_length()
-  bit_tables_cost = total_bits * 10e-9
+  bit_tables_cost = total_bits * 18e-9
   costs = {
-      "lock_step": lane_letters * 8 * 1.2e-6 + n_letters * 8 * 2e-9,
-      "walk": bit_tables_cost + lane_letters * 2 * 1.2e-6 + n_letters * 2 * 2e-9,
+      "lock_step": lane_letters * 8 * 2.5e-6 + n_letters * 8 * 2e-9,
+      "walk": bit_tables_cost + lane_letters * 6e-6 + n_letters * 2 * 2e-9,
       "doubling": bit_tables_cost + rounds * total_bits * 4.5e-9 + n_letters * 4e-9,
   }
   if total_bits >= 2**31 - 2**20:  # bit tables hold int32 offsets
@@ -577,37 +605,48 @@ def _decode_in_lock_step(payload, letter_table, length_table, peek, lane_starts,
   n_lanes = lane_counts.size
   # Corrupt lanes may run past their end by up to lane_letters * peek bits: pad that far, so
   # that every index below is in range and takes can skip bounds checks (mode="clip").
-  windows = _bit_windows(payload, (lane_letters * peek) // 8 + 8)
-  position = lane_starts.astype(np.int64)
+  windows = _bit_windows(payload, (lane_letters * peek) // 8 + 8).astype(np.uint64)
+  windows <<= np.uint64(32)  # the window's first bit at the top: shifts drop what passed
+  length_table = length_table.astype(np.int64)
   decoded = np.empty((lane_letters, n_lanes), np.uint8)
-  byte = np.empty(n_lanes, np.int64)
-  bit = np.empty(n_lanes, np.uint32)
-  window = np.empty(n_lanes, np.uint32)
-  code_length = np.empty(n_lanes, np.uint8)
-  drop = np.uint32(32 - peek)
-  last_lane_count = int(lane_counts[-1])
   final = np.empty(n_lanes, np.int64)
-  # Bound methods and ufuncs as locals: this loop runs thousands of steps over ~1000 lanes,
-  # where Python-level dispatch is a large share of the time.
+  last_lane_count = int(lane_counts[-1])
+  # The loop runs thousands of steps over ~1000 lanes, where numpy's per-call overhead is a
+  # large share of the time: every operand is a preallocated array of one dtype (no casts, no
+  # scalar conversion), uint64/int64 views of the same buffer stand in for casts, and
+  # bound methods are locals.
+  position = lane_starts.astype(np.int64)
+  byte = np.empty(n_lanes, np.int64)
+  bit = np.empty(n_lanes, np.int64)
+  window = np.empty(n_lanes, np.uint64)
+  code_length = np.empty(n_lanes, np.int64)
+  three = np.full(n_lanes, 3, np.int64)
+  seven = np.full(n_lanes, 7, np.int64)
+  drop = np.full(n_lanes, 64 - peek, np.uint64)
   take_window, take_letter, take_length = windows.take, letter_table.take, length_table.take
   right_shift, left_shift, bitwise_and, add = (np.right_shift, np.left_shift, np.bitwise_and,
                                                np.add)
+
+  def views(n):
+    return (position[:n], byte[:n], bit[:n], bit[:n].view(np.uint64), window[:n],
+            window[:n].view(np.int64), code_length[:n], three[:n], seven[:n], drop[:n])
+
+  (position_, byte_, bit_, bit_u, window_, index_, code_length_, three_, seven_,
+   drop_) = views(n_lanes)
   for step in range(lane_letters):
     if step == last_lane_count:  # the last lane is complete: record its end, drop it
       final[-1] = position[-1]
-      n_active = n_lanes - 1
-      position, byte, bit, window, code_length = (
-          position[:n_active], byte[:n_active], bit[:n_active], window[:n_active],
-          code_length[:n_active])
-    right_shift(position, 3, out=byte)
-    take_window(byte, out=window, mode="clip")
-    bitwise_and(position, 7, out=bit, casting="unsafe")
-    left_shift(window, bit, out=window)
-    right_shift(window, drop, out=window)
-    take_letter(window, out=decoded[step, :window.size], mode="clip")
-    take_length(window, out=code_length, mode="clip")
-    add(position, code_length, out=position)
-  final[:position.size] = position
+      (position_, byte_, bit_, bit_u, window_, index_, code_length_, three_, seven_,
+       drop_) = views(n_lanes - 1)
+    right_shift(position_, three_, out=byte_)
+    take_window(byte_, out=window_, mode="clip")
+    bitwise_and(position_, seven_, out=bit_)
+    left_shift(window_, bit_u, out=window_)
+    right_shift(window_, drop_, out=window_)
+    take_letter(index_, out=decoded[step, :index_.size], mode="clip")
+    take_length(index_, out=code_length_, mode="clip")
+    add(position_, code_length_, out=position_)
+  final[:position_.size] = position_
   return decoded.T.reshape(-1)[:int(lane_counts.sum())], final
 
 

@@ -244,6 +244,9 @@ def make_train_step(loss_fn: Callable[[Any, Any], jax.Array],
     else:
       params = _gather_params(state.params, like, axis_name, compute_dtype, param_gather,
                               block_size)
+    # Replicated params would make jax.grad psum the gradient in full precision (the transpose
+    # of the implicit broadcast); marked varying, each device keeps its own gradient.
+    params = jax.lax.pcast(params, axis_name, to="varying")
     loss, grads = jax.value_and_grad(loss_fn)(params, batch)
     grads, comp_state = compressor.update(grads, state.compressor_state, params)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)

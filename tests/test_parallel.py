@@ -82,6 +82,9 @@ def test_zero2_wire_bits_from_the_hlo():
                                   ("loco", loco(axis_name="data", scatter=True), jnp.bfloat16)]:
     _, state, step = _train("zero2", compressor, steps=1, compute_dtype=dtype)
     found = comm.lowered_collectives(step.jitted, state, next(_batches(1)))
+    # The only all-reduces are scalars (the mean loss, LoCo's finiteness flag): the gradient
+    # itself is never all-reduced.
+    assert all(c.nbytes <= 4 for c in found if c.op == "all-reduce"), found
     bits[name] = {c.op: 0.0 for c in found}
     for c in found:
       bits[name][c.op] += comm.wire_bits_per_param([c], n_params)
