@@ -63,18 +63,18 @@ def gennorm_fp4_probabilities(beta: float) -> np.ndarray:
   return probabilities
 
 
-def _codecs(beta: float) -> dict[str, tuple[Codec, int]]:
-  """name -> ((encode, decode), repeats factor); zstd entries only when zstandard imports."""
+def _codecs(beta: float) -> dict[str, tuple[Codec, bool]]:
+  """name -> ((encode, decode), slow: timed once); zstd entries only when zstandard imports."""
   model = gennorm_fp4_probabilities(beta)
   codecs = {
-      "huffman": ((huffman.encode, huffman.decode), 1),
-      "huffman_pairs": ((huffman.encode_pairs, huffman.decode), 1),
+      "huffman": ((huffman.encode, huffman.decode), False),
+      "huffman_pairs": ((huffman.encode_pairs, huffman.decode), False),
       "huffman_model": ((lambda s: huffman.encode(s, probabilities=model),
-                         lambda d: huffman.decode(d, probabilities=model)), 1),
+                         lambda d: huffman.decode(d, probabilities=model)), False),
       "huffman_pairs_model": ((lambda s: huffman.encode_pairs(s, probabilities=model),
-                               lambda d: huffman.decode(d, probabilities=model)), 1),
-      "zlib_6": ((lambda s: zlib.compress(s, 6), _zlib_decode), 1),
-      "zlib_huffman_only": ((_zlib_huffman_only, _zlib_decode), 1),
+                               lambda d: huffman.decode(d, probabilities=model)), False),
+      "zlib_6": ((lambda s: zlib.compress(s, 6), _zlib_decode), False),
+      "zlib_huffman_only": ((_zlib_huffman_only, _zlib_decode), False),
   }
   try:
     import zstandard
@@ -82,7 +82,7 @@ def _codecs(beta: float) -> dict[str, tuple[Codec, int]]:
     return codecs
   for level in (1, 19):
     compressor = zstandard.ZstdCompressor(level=level)
-    codecs[f"zstd_{level}"] = ((compressor.compress, _zstd_decode), 0 if level == 19 else 1)
+    codecs[f"zstd_{level}"] = ((compressor.compress, _zstd_decode), level == 19)
   return codecs
 
 
@@ -100,30 +100,27 @@ def _zstd_decode(data: bytes) -> np.ndarray:
   return np.frombuffer(zstandard.ZstdDecompressor().decompress(data), np.uint8)
 
 
-def _time_codec(codec: Codec, symbols: np.ndarray, repeats: int) -> tuple[int, float, float]:
-  """(compressed bytes, median encode ms, median decode ms); checks the roundtrip."""
+def _time_once(codec: Codec, symbols: np.ndarray) -> tuple[int, float, float]:
+  """(compressed bytes, encode ms, decode ms); checks the roundtrip."""
   encode, decode = codec
-  encode_ms, decode_ms = [], []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    data = encode(symbols)
-    middle = time.perf_counter()
-    decoded = decode(data)
-    end = time.perf_counter()
-    encode_ms.append((middle - start) * 1e3)
-    decode_ms.append((end - middle) * 1e3)
-    if not np.array_equal(decoded, symbols):
-      raise AssertionError("codec roundtrip failed")
-  return len(data), statistics.median(encode_ms), statistics.median(decode_ms)
+  start = time.perf_counter()
+  data = encode(symbols)
+  middle = time.perf_counter()
+  decoded = decode(data)
+  end = time.perf_counter()
+  if not np.array_equal(decoded, symbols):
+    raise AssertionError("codec roundtrip failed")
+  return len(data), (middle - start) * 1e3, (end - middle) * 1e3
 
 
 def run(n_symbols: int = 4_000_000, betas: Sequence[float] = (0.5, 1.0, 2.0), seed: int = 0,
-        repeats: int = 3) -> list[dict]:
+        repeats: int = 5) -> list[dict]:
   """Measures every codec on n_symbols fp4 GenNorm symbols per beta, and on 1K-symbol streams.
 
   Records are {"name": "metric/codec/beta=b", "value": float, "unit": str} with metrics
   size_vs_entropy (compressed bits / (n * empirical entropy)), encode_ms, decode_ms,
-  encode_decode_ms (medians over `repeats`; zstd level 19 runs once, it takes seconds) and,
+  encode_decode_ms (medians over `repeats`, taken round-robin over the codecs; zstd level 19
+  runs once, it takes seconds), time_vs_zlib_huffman_only (encode_decode_ms over zlib's) and,
   for 1K-symbol streams, small_bytes and small_size_vs_entropy (means over 32 streams).
   "zstd_available" notes whether zstandard was importable (its codecs are skipped if not).
 
@@ -143,13 +140,25 @@ def run(n_symbols: int = 4_000_000, betas: Sequence[float] = (0.5, 1.0, 2.0), se
                      for i in range(_SMALL_STREAMS)]
     small_entropy_bits = sum(huffman.entropy_bits(s) * s.size for s in small_streams)
     codecs = _codecs(beta)
-    for name, (codec, repeat_factor) in codecs.items():
-      size, encode_ms, decode_ms = _time_codec(codec, symbols, max(1, repeats * repeat_factor))
+    # Repeats go round all codecs in turn, so that a noisy neighbour slows them alike.
+    timings = {name: [] for name in codecs}
+    for repeat in range(repeats):
+      for name, (codec, slow) in codecs.items():
+        if repeat == 0 or not slow:
+          timings[name].append(_time_once(codec, symbols))
+    for name, (codec, _) in codecs.items():
+      size = timings[name][0][0]
+      encode_ms = statistics.median(t[1] for t in timings[name])
+      decode_ms = statistics.median(t[2] for t in timings[name])
+      total_ms = statistics.median(t[1] + t[2] for t in timings[name])
       record(f"size_vs_entropy/{name}/beta={beta}", size * 8 / (entropy * n_symbols), "x")
       record(f"encode_ms/{name}/beta={beta}", encode_ms, "ms")
       record(f"decode_ms/{name}/beta={beta}", decode_ms, "ms")
-      record(f"encode_decode_ms/{name}/beta={beta}", encode_ms + decode_ms, "ms")
-      small_sizes = [_time_codec(codec, s, 1)[0] for s in small_streams]
+      record(f"encode_decode_ms/{name}/beta={beta}", total_ms, "ms")
+      if name != "zlib_huffman_only" and "zlib_huffman_only" in timings:
+        reference_ms = statistics.median(t[1] + t[2] for t in timings["zlib_huffman_only"])
+        record(f"time_vs_zlib_huffman_only/{name}/beta={beta}", total_ms / reference_ms, "x")
+      small_sizes = [_time_once(codec, s)[0] for s in small_streams]
       record(f"small_bytes/{name}/beta={beta}", np.mean(small_sizes), "bytes")
       record(f"small_size_vs_entropy/{name}/beta={beta}",
              sum(small_sizes) * 8 / small_entropy_bits, "x")

@@ -191,11 +191,16 @@ _SHAPE = re.compile(r"(\w+)\[([\d,]*)\]")
 
 
 class Collective(NamedTuple):
-  """One collective of a lowered step: `nbytes` is the full buffer (gathered or pre-scatter)."""
+  """One collective of a lowered step: `nbytes` is the full buffer (gathered or pre-scatter).
+
+  `conditional` marks one inside a branch of a conditional (a rare path such as CO3's
+  overflow), which a step does not always run.
+  """
   op: str
   dtype: str
   nbytes: float
   group_size: int
+  conditional: bool = False
 
   @property
   def sent_bytes(self) -> float:
@@ -203,6 +208,11 @@ class Collective(NamedTuple):
     n = self.group_size
     factor = 2 * (n - 1) / n if self.op == "all-reduce" else (n - 1) / n
     return factor * self.nbytes
+
+
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_BRANCHES = re.compile(r"(?:branch_computations=\{([^}]*)\}|"
+                       r"(?:true|false)_computation=%?([\w.\-]+))")
 
 
 def _shape_bytes(text: str) -> tuple[str, float]:
@@ -226,8 +236,17 @@ def _group_size(attrs: str, default: int) -> int:
 
 def collectives(hlo_text: str, num_devices: int) -> list[Collective]:
   """Every collective in HLO text (`jax.jit(f).lower(...).as_text(dialect="hlo")`)."""
-  found = []
-  for line in hlo_text.splitlines():
+  lines = hlo_text.splitlines()
+  branches = set()
+  for line in lines:
+    for listed, single in _BRANCHES.findall(line):
+      branches.update(name.strip().lstrip("%") for name in (listed or single).split(","))
+  found, computation = [], ""
+  for line in lines:
+    header = _COMPUTATION.match(line)
+    if header:
+      computation = header.group(1)
+      continue
     m = _INSTRUCTION.search(line)
     if not m:
       continue
@@ -237,7 +256,8 @@ def collectives(hlo_text: str, num_devices: int) -> list[Collective]:
     dtype, nbytes = _shape_bytes(result)
     n = _group_size(m.group("attrs"), num_devices)
     # The full buffer: what a gather returns, what a scatter takes (n times what it returns).
-    found.append(Collective(op, dtype, nbytes * n if op == "reduce-scatter" else nbytes, n))
+    found.append(Collective(op, dtype, nbytes * n if op == "reduce-scatter" else nbytes, n,
+                            computation in branches))
   return found
 
 
@@ -248,6 +268,9 @@ def lowered_collectives(fn, *args, num_devices: int | None = None) -> list[Colle
   return collectives(text, num_devices or jax.device_count())
 
 
-def wire_bits_per_param(found: Sequence[Collective], n_params: int) -> float:
-  """Bits each device sends per parameter per step, summed over every collective."""
-  return 8.0 * sum(c.sent_bytes for c in found) / n_params
+def wire_bits_per_param(found: Sequence[Collective], n_params: int,
+                        include_conditional: bool = False) -> float:
+  """Bits each device sends per parameter per step, summed over every collective that every
+  step runs (and over the conditional ones too with `include_conditional`)."""
+  return 8.0 * sum(c.sent_bytes for c in found
+                   if include_conditional or not c.conditional) / n_params

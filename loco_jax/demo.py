@@ -201,14 +201,21 @@ def make_optimizer(config: DemoConfig):
 # --- Measuring ------------------------------------------------------------------------------------
 
 def gradient_bits(found: Sequence[Any], n_params: int) -> float:
-  """Bits per parameter of the gradient payload: the first non-scalar all-to-all or all-reduce
-  of the step, with the other collectives of its kind (a per-leaf all-reduce is many)."""
-  gradient = [c for c in found
-              if c.op in ("all-to-all", "all-reduce") and c.nbytes > _SCALAR_BYTES]
+  """Bits per parameter of one device's gradient payload (codes plus scales), from the HLO.
+
+  The payload is the first collective of the step that is not a scalar (a loss, a flag), with
+  the other collectives of its kind when the gradient goes leaf by leaf (pmean of a pytree is
+  one all-reduce a leaf): an all-reduce's or all-to-all's buffer, an all-gather's share of one
+  device (its result / group size).
+  """
+  ops = ("all-to-all", "all-reduce", "all-gather", "reduce-scatter")
+  gradient = [c for c in found if c.op in ops and c.nbytes > _SCALAR_BYTES]
   if not gradient:
     return 0.0
   first = gradient[0].op
-  return 8.0 * sum(c.nbytes for c in gradient if c.op == first) / n_params
+  nbytes = sum(c.nbytes / (c.group_size if c.op == "all-gather" else 1)
+               for c in gradient if c.op == first)
+  return 8.0 * nbytes / n_params
 
 
 def per_device_bytes(tree: Any) -> int:
@@ -347,6 +354,14 @@ def format_table(results: Sequence[MethodResult], unavailable: dict[str, str] | 
   return "\n".join(lines)
 
 
+def _publish(tmp: str, path: Path) -> None:
+  """Gives a finished temp file the usual permissions (mkstemp makes it 0600) and renames it."""
+  umask = os.umask(0)
+  os.umask(umask)
+  os.chmod(tmp, 0o666 & ~umask)
+  os.replace(tmp, path)
+
+
 def write_json_atomic(path: Path, obj: Any) -> None:
   """Writes `obj` as JSON to a temp file beside `path`, then renames it over `path`."""
   path = Path(path)
@@ -357,7 +372,7 @@ def write_json_atomic(path: Path, obj: Any) -> None:
       f.write("\n")
       f.flush()
       os.fsync(f.fileno())
-    os.replace(tmp, path)
+    _publish(tmp, path)
   except BaseException:
     Path(tmp).unlink(missing_ok=True)
     raise
@@ -372,7 +387,7 @@ def write_curves(path: Path, results: Sequence[MethodResult]) -> None:
   fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
   with os.fdopen(fd, "w") as f:
     f.write("\n".join(rows) + "\n")
-  os.replace(tmp, path)
+  _publish(tmp, path)
 
 
 def plot_curves(path: Path, results: Sequence[MethodResult], title: str = "") -> bool:
@@ -405,7 +420,7 @@ def plot_curves(path: Path, results: Sequence[MethodResult], title: str = "") ->
   os.close(fd)
   fig.savefig(tmp)
   plt.close(fig)
-  os.replace(tmp, path)
+  _publish(tmp, path)
   return True
 
 

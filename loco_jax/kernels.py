@@ -11,194 +11,253 @@ from loco_jax import quant
 
 try:
   from jax.experimental import pallas as pl
-except ImportError:  # pragma: no cover - jax without Pallas: the jnp path only
+except ImportError:  # pragma: no cover - a jax without Pallas runs the jnp path only
   pl = None
 
 IMPLEMENTATIONS = ("auto", "jnp", "pallas")
-# Pallas tile defaults per backend: scale blocks per program instance and Triton warps. Each row
-# of a tile is one scale block, so the absmax never crosses a program instance.
+# Pallas tiles: scale blocks per program instance (each tile row is one whole scale block, so
+# the absmax never crosses program instances) and Triton warps per instance.
 TILE_BLOCKS = {"gpu": 4, "tpu": 32, "cpu": 8}
 NUM_WARPS = 8
+# The jnp path on CPU works through this many scale blocks at a time (see `_compress_jnp`):
+# 2**24 values on 2 EPYC cores took 0.74x adamw's time untiled, 0.50x by 32 blocks, 0.31-0.37x
+# by 256-512 blocks (per-tile overheads fall; 7-14 MiB of temporaries still sit in L3).
+CPU_TILE_BLOCKS = 256
 
 
 class Compressed(NamedTuple):
-  """One LoCo step on a flat vector of `blocks * block_size` float32 values."""
-  packed: jax.Array             # uint8 [blocks, block_size * bits / 8], quant.pack's layout
-  scales: jax.Array             # float32 [blocks], sent with the payload
-  error: jax.Array              # int8 [size], the new stored error
-  error_scale: jax.Array        # float32 [blocks]
-  finite: jax.Array             # bool []: every gradient value was finite
-  decompressed: jax.Array | None  # float32 [size] (loco's local-mode output) if asked for
+  """One LoCo step on a flat float32 vector of `blocks * block_size` values."""
+  packed: jax.Array               # uint8 [blocks, block_size * bits / 8], quant.pack's layout
+  scales: jax.Array               # float32 [blocks], sent with the payload
+  error: jax.Array                # int8 [size], the new stored error
+  error_scale: jax.Array          # float32 [blocks]
+  finite: jax.Array               # bool []: every gradient value was finite
+  decompressed: jax.Array | None  # float32 [size], loco's local-mode output (if asked for)
 
 
-def _check(size: int, error, error_scale, bits: int, error_bits: int, block_size: int) -> int:
-  quant.check_bits(bits)
-  quant.check_bits(error_bits, "error_bits")
-  if block_size <= 0 or block_size % quant.PACK_UNIT:
-    raise ValueError(f"block_size must be a positive multiple of {quant.PACK_UNIT}, got "
-                     f"{block_size}")
-  if size == 0 or size % block_size:
-    raise ValueError(f"compress_step needs a size that is a positive multiple of block_size="
-                     f"{block_size}, got {size} (use loco() for ragged leaves)")
-  blocks = size // block_size
-  if error.shape != (size,) or error.dtype != jnp.int8:
-    raise ValueError(f"error must be int8 [{size}], got {error.dtype} {error.shape}")
-  if error_scale.shape != (blocks,):
-    raise ValueError(f"error_scale must be float32 [{blocks}], got {error_scale.shape}")
-  return blocks
-
-
-# --- The reference formulation: loco.py's _feedback_step through quant.py, as XLA fuses it ------
-
-
-def _compress_jnp(g, error, error_scale_B, reset, bits, error_bits, beta, with_decompressed):
-  """loco.py's update for one aligned leaf, op for op and in its shapes.
-
-  Op for op matters: XLA's CPU backend contracts multiply-add pairs into FMAs (LLVM
-  AllowFPOpFusion=Fast) where it vectorizes, and that depends on the fusions around an op, so an
-  algebraically equal but restructured formulation can differ from loco() in the last bit.
-  """
-  blocks = error_scale_B.shape[0]
-  rows = lambda x: x.reshape(1, blocks, -1)
-  finite = jnp.all(jnp.isfinite(g))
-  flag = jnp.where(finite, 0.0, jnp.nan).astype(jnp.float32)
-  e = jnp.where(reset, 0.0, quant.decompress(rows(error), error_scale_B[None][..., None])
-                ).reshape(-1)
-  h = g + e
-  scales = quant.absmax_scale(rows(h), bits)
-  q = quant.compress(rows(h), scales[..., None], bits)
-  d = quant.decompress(q, scales[..., None]).reshape(-1)
-  residual = beta * e + (1.0 - beta) * (h - d)
-  new_scale = quant.absmax_scale(rows(residual), error_bits)
-  new_error = quant.compress(rows(residual), new_scale[..., None], error_bits)
-  new_error = jnp.where(finite, new_error.reshape(-1), error)
-  new_scale = jnp.where(finite, new_scale[0], error_scale_B)
-  return (quant.pack(q[0], bits), scales[0], new_error, new_scale, finite,
-          d + flag if with_decompressed else None)
-
-
-def _mean_jnp(packed_NxBxP, scales_NxB, bits):
-  codes = quant.unpack(packed_NxBxP, bits)
-  return quant.decompress(codes, scales_NxB[..., None]).mean(axis=0).reshape(-1)
-
-
-# --- Pallas: one program instance = one tile of whole scale blocks, one pass over memory -------
+# --- The arithmetic, written once for every implementation ----------------------------------
+#
+# Every operation rounds once. Compilers contract a product that feeds an add into one FMA (one
+# rounding instead of two): XLA:CPU does (its objects for loco().update hold vfmadd where the
+# loop was vectorized), LLVM's GPU backends and Triton do by default. Whether it happens depends
+# on how a fusion's loops are emitted (on CPU, unswitching the loop on the per-block `scale > 0`
+# test exposes the product to the add), so two programs with the same math differ in the last
+# bit. `_sealed` puts a per-element select between such a product and its add: no rewrite that
+# keeps IEEE semantics (no nsz/nnan flags) can fuse them, so the result is the exactly rounded
+# one whatever the program around it. On Triton every operation is also explicit `.rn` PTX.
 
 
 class _Ops(NamedTuple):
-  """IEEE division and round-half-to-even; Triton's own `/` is div.full.f32 (not IEEE)."""
+  """Elementwise float32 arithmetic: correctly rounded, never contracted."""
+  mul: Callable
+  add: Callable
   div: Callable
-  round: Callable
+  round: Callable   # round half to even, to an integer-valued float
+
+
+_XLA_OPS = _Ops(jnp.multiply, jnp.add, jnp.divide, jnp.round)
 
 
 def _triton_ops() -> _Ops:
+  """PTX with explicit rounding: `.rn` arithmetic is never contracted, and Triton's own `/`
+  is div.full.f32 (about 2 ulp), not IEEE division."""
   from jax.experimental.pallas import triton as pltriton
 
-  def asm(code, *args):
+  def asm(code: str, *args):
+    args = jnp.broadcast_arrays(*[jnp.asarray(a, jnp.float32) for a in args])
     return pltriton.elementwise_inline_asm(
         code, args=list(args), constraints="=r" + ",r" * len(args), pack=1,
         result_shape_dtypes=[jax.ShapeDtypeStruct(args[0].shape, jnp.float32)])[0]
 
-  def div(x, y):
-    x, y = jnp.broadcast_arrays(x.astype(jnp.float32), y.astype(jnp.float32))
-    return asm("div.rn.f32 $0, $1, $2;", x, y)
-
-  return _Ops(div, lambda x: asm("cvt.rni.f32.f32 $0, $1;", x))
-
-
-_PLAIN_OPS = _Ops(lambda x, y: x / y, jnp.round)
+  return _Ops(mul=lambda a, b: asm("mul.rn.f32 $0, $1, $2;", a, b),
+              add=lambda a, b: asm("add.rn.f32 $0, $1, $2;", a, b),
+              div=lambda a, b: asm("div.rn.f32 $0, $1, $2;", a, b),
+              round=lambda a: asm("cvt.rni.f32.f32 $0, $1;", a))
 
 
-def _k_decompress(q_f32, scale, ops: _Ops):
-  positive = scale > 0
-  return jnp.where(positive, ops.div(q_f32, jnp.where(positive, scale, 1.0)), 0.0)
+def _sealed(x: jax.Array) -> jax.Array:
+  """x, with NaN read as 0, through a per-element select that no compiler fuses into an add."""
+  return jnp.where(jnp.isnan(x), 0.0, x)
 
 
-def _k_absmax_scale(absmax, bits: int, ops: _Ops):
-  qmax = max(quant.int_range(bits)[1], 1)
+def _absmax_scale(absmax: jax.Array, bits: int, ops: _Ops) -> jax.Array:
+  """quant.absmax_scale from a precomputed max|x|: qmax / absmax, 0 if vanishing or not finite."""
   usable = (absmax > quant.VANISHING) & jnp.isfinite(absmax)
   safe = jnp.where(usable, absmax, 1.0)
-  return jnp.where(usable, ops.div(jnp.full_like(safe, qmax), safe), 0.0)
+  return jnp.where(usable, ops.div(jnp.full_like(safe, max(quant.int_range(bits)[1], 1)), safe),
+                   0.0)
 
 
-def _k_compress(x, scale, bits: int, ops: _Ops):
-  """Eq. (1) as integer-valued float32 (the cast happens at the store)."""
+def _reciprocal(scale: jax.Array, ops: _Ops) -> jax.Array:
+  """1 / scale where scale > 0: quant.decompress's q / s is computed (by XLA) as q * (1 / s)."""
+  return ops.div(jnp.ones_like(scale), jnp.where(scale > 0, scale, 1.0))
+
+
+def _quantize(x: jax.Array, scale: jax.Array, bits: int, ops: _Ops) -> jax.Array:
+  """Eq. (1), integer-valued float32: clip(round_half_even(scale * x), qmin, qmax)."""
   qmin, qmax = quant.int_range(bits)
-  return jnp.clip(ops.round(scale * x), qmin, qmax)
+  return jnp.clip(ops.round(ops.mul(scale, x)), qmin, qmax)
 
 
-def _row_absmax(planes):
-  out = None
-  for x in planes:
-    m = jnp.max(jnp.abs(x), axis=1, keepdims=True)
-    out = m if out is None else jnp.maximum(out, m)
-  return out
+def _max_abs(planes: list[jax.Array]) -> jax.Array:
+  """max |x| over the last axis of every plane (the planes of one scale block): [rows, 1]."""
+  return functools.reduce(jnp.maximum, [jnp.max(jnp.abs(x), axis=-1, keepdims=True)
+                                        for x in planes])
+
+
+def _step(g: list[jax.Array], error: list[jax.Array], error_scale: jax.Array, bits: int,
+          error_bits: int, beta: float, ops: _Ops, with_decompressed: bool):
+  """LoCo's step on the planes of whole scale blocks ([rows, width] each; scales [rows, 1]).
+
+  Returns the codes q (integer-valued float32 planes), the scales, the new error codes (planes),
+  the new error scales and, if asked for, the decompressed planes.
+  """
+  has_error = error_scale > 0
+  error_step = _reciprocal(error_scale, ops)
+  e = [jnp.where(has_error, ops.mul(c.astype(jnp.float32), error_step), 0.0) for c in error]
+  h = [ops.add(gi, _sealed(ei)) for gi, ei in zip(g, e)]
+  scale = _absmax_scale(_max_abs(h), bits, ops)
+  sent, step = scale > 0, _reciprocal(scale, ops)
+  q = [_quantize(x, scale, bits, ops) for x in h]
+  # h - d as h + (-q / s): an add, so that the select in `_sealed` cannot be folded away.
+  h_minus_d = [ops.add(hi, _sealed(jnp.where(sent, ops.mul(-qi, step), 0.0)))
+               for hi, qi in zip(h, q)]
+  beta_f32, rest_f32 = np.float32(beta), np.float32(1.0 - beta)  # loco's beta, (1.0 - beta)
+  residual = [ops.add(_sealed(ops.mul(beta_f32, ei)), _sealed(ops.mul(rest_f32, hd)))
+              for ei, hd in zip(e, h_minus_d)]
+  new_scale = _absmax_scale(_max_abs(residual), error_bits, ops)
+  new_error = [_quantize(r, new_scale, error_bits, ops) for r in residual]
+  d = ([jnp.where(sent, ops.mul(qi, step), 0.0) for qi in q] if with_decompressed else None)
+  return q, scale, new_error, new_scale, d
+
+
+def _all_finite_rows(planes: list[jax.Array]) -> jax.Array:
+  """[rows, 1] int32, 1 where every value of the row is finite (a min: Triton has no `all`)."""
+  return functools.reduce(jnp.minimum, [
+      jnp.min(jnp.isfinite(x).astype(jnp.int32), axis=-1, keepdims=True) for x in planes])
+
+
+# --- jnp: the XLA formulation -------------------------------------------------------------
+
+
+def _compress_whole(g_BxL, error_BxL, error_scale_B, bits, error_bits, beta, with_decompressed):
+  q, scale, new_error, new_scale, d = _step(
+      [g_BxL], [error_BxL], error_scale_B[:, None], bits, error_bits, beta, _XLA_OPS,
+      with_decompressed)
+  return (quant.pack(q[0].astype(jnp.int8), bits), scale[:, 0], new_error[0].astype(jnp.int8),
+          new_scale[:, 0], jnp.all(jnp.isfinite(g_BxL)), d[0] if with_decompressed else None)
+
+
+def _compress_jnp(g_BxL, error_BxL, error_scale_B, bits, error_bits, beta, with_decompressed,
+                  backend):
+  """The XLA formulation. XLA:CPU materializes every reduction's input (h, then the residual),
+  so on CPU the step runs tile by tile (`CPU_TILE_BLOCKS` blocks) and those passes stay in
+  cache; elsewhere XLA fuses the reductions into their producers and takes the whole vector."""
+  blocks, block_size = g_BxL.shape
+  tile = _tile(blocks, CPU_TILE_BLOCKS)
+  step = functools.partial(_compress_whole, bits=bits, error_bits=error_bits, beta=beta,
+                           with_decompressed=with_decompressed)
+  if backend != "cpu" or tile == blocks:
+    out = step(g_BxL, error_BxL, error_scale_B)
+  else:
+    tiles = lambda x: x.reshape(blocks // tile, tile, *x.shape[1:])
+    out = jax.lax.map(lambda t: step(*t), (tiles(g_BxL), tiles(error_BxL), tiles(error_scale_B)))
+    out = [jnp.all(x) if i == 4 else None if x is None else x.reshape(blocks, *x.shape[2:])
+           for i, x in enumerate(out)]
+  packed, scale, new_error, new_scale, finite, d = out
+  return (packed, scale, new_error.reshape(-1), new_scale, finite,
+          None if d is None else d.reshape(-1))
+
+
+def _dequantize(word: jax.Array, scale: jax.Array, bits: int, ops: _Ops) -> list[jax.Array]:
+  """uint8 words (as int32) [rows, width] -> the `8 // bits` sealed decompressed planes."""
+  qmin, mask = quant.int_range(bits)[0], (1 << bits) - 1
+  step, sent = _reciprocal(scale, ops), scale > 0
+  return [_sealed(jnp.where(
+      sent, ops.mul((((word >> (t * bits)) & mask) + qmin).astype(jnp.float32), step), 0.0))
+          for t in range(8 // bits)]
+
+
+def _inverse_count(n: int) -> np.float32:
+  """1 / n rounded once to float32: XLA turns a mean's division by n into this product."""
+  return np.float32(1) / np.float32(n)
+
+
+# Up to this many peers the jnp mean is one unrolled fusion; beyond, a loop over the peers.
+UNROLLED_PEERS = 64
+
+
+def _mean_jnp(packed_NxBxP, scales_NxB, bits):
+  """sum_j q_j / s_j, added in peer order from 0 (numpy's order for a mean over axis 0), * 1/N."""
+  shards = packed_NxBxP.shape[0]
+  if 8 % bits:
+    codes = quant.unpack(packed_NxBxP, bits).astype(jnp.float32)
+    step = _reciprocal(scales_NxB[..., None], _XLA_OPS)
+    peer = lambda j: _sealed(jnp.where(scales_NxB[j][..., None] > 0, codes[j] * step[j], 0.0))
+  else:
+    peer = lambda j: jnp.concatenate(_dequantize(
+        packed_NxBxP[j].astype(jnp.int32), scales_NxB[j][..., None], bits, _XLA_OPS), -1)
+  total = jnp.zeros(packed_NxBxP.shape[1:2] + (packed_NxBxP.shape[2] * 8 // bits,), jnp.float32)
+  if shards <= UNROLLED_PEERS:
+    for j in range(shards):
+      total = total + peer(j)
+  else:
+    total = jax.lax.fori_loop(0, shards, lambda j, acc: acc + peer(j), total)
+  return (total * _inverse_count(shards)).reshape(-1)
+
+
+# --- Pallas: one program instance per tile of whole scale blocks, one pass over memory -------
 
 
 def _compress_kernel(g_ref, e_ref, es_ref, packed_ref, scale_ref, new_e_ref, new_es_ref,
-                     finite_ref, *d_ref, bits, error_bits, beta, one_minus_beta, ops):
-  per_byte = 8 // bits
-  width = g_ref.shape[1] // per_byte
-  planes = [pl.ds(t * width, width) for t in range(per_byte)]
-  error_scale = es_ref[...]
+                     finite_ref, *d_ref, bits, error_bits, beta, ops):
+  """Planes are the `8 // bits` column ranges that share a byte (quant.pack's layout)."""
+  width = g_ref.shape[1] * bits // 8
+  planes = [pl.ds(t * width, width) for t in range(8 // bits)]
   g = [g_ref[:, p] for p in planes]
-  e = [_k_decompress(e_ref[:, p].astype(jnp.float32), error_scale, ops) for p in planes]
-  h = [a + b for a, b in zip(g, e)]
-  scale = _k_absmax_scale(_row_absmax(h), bits, ops)
-  q = [_k_compress(x, scale, bits, ops) for x in h]
-  d = [_k_decompress(x, scale, ops) for x in q]
-  residual = [beta * ei + one_minus_beta * (hi - di) for ei, hi, di in zip(e, h, d)]
-  new_scale = _k_absmax_scale(_row_absmax(residual), error_bits, ops)
+  q, scale, new_error, new_scale, d = _step(
+      g, [e_ref[:, p] for p in planes], es_ref[...], bits, error_bits, beta, ops, bool(d_ref))
   qmin = quant.int_range(bits)[0]
   word = None
-  for t, (p, qt, rt) in enumerate(zip(planes, q, residual)):
-    new_e_ref[:, p] = _k_compress(rt, new_scale, error_bits, ops).astype(jnp.int8)
-    unsigned = (qt - qmin).astype(jnp.int32)
-    word = unsigned if word is None else word | (unsigned << (t * bits))
+  for t, p in enumerate(planes):
+    new_e_ref[:, p] = new_error[t].astype(jnp.int8)
+    unsigned = (q[t] - qmin).astype(jnp.int32) << (t * bits)
+    word = unsigned if word is None else word | unsigned
     if d_ref:
       d_ref[0][:, p] = d[t]
   packed_ref[...] = word.astype(jnp.uint8)
   scale_ref[...] = scale
   new_es_ref[...] = new_scale
-  finite = None
-  for x in g:  # a min over int32: Triton has no boolean reduction
-    f = jnp.min(jnp.isfinite(x).astype(jnp.int32), axis=1, keepdims=True)
-    finite = f if finite is None else jnp.minimum(finite, f)
-  finite_ref[...] = finite
+  finite_ref[...] = _all_finite_rows(g)
 
 
 def _mean_kernel(packed_ref, scales_ref, out_ref, *, shards, bits, ops):
-  per_byte = 8 // bits
   width = packed_ref.shape[2]
-  qmin, mask = quant.int_range(bits)[0], (1 << bits) - 1
 
   def add_shard(j, sums):
-    word = packed_ref[j].astype(jnp.int32)
-    scale = scales_ref[j]
-    return tuple(
-        s + _k_decompress((((word >> (t * bits)) & mask) + qmin).astype(jnp.float32), scale, ops)
-        for t, s in enumerate(sums))
+    planes = _dequantize(packed_ref[j].astype(jnp.int32), scales_ref[j], bits, ops)
+    return tuple(ops.add(s, v) for s, v in zip(sums, planes))  # peer order, from 0
 
-  zeros = tuple(jnp.zeros((out_ref.shape[0], width), jnp.float32) for _ in range(per_byte))
+  zeros = tuple(jnp.zeros((out_ref.shape[0], width), jnp.float32) for _ in range(8 // bits))
   sums = jax.lax.fori_loop(0, shards, add_shard, zeros)
   for t, s in enumerate(sums):
-    out_ref[:, pl.ds(t * width, width)] = ops.div(s, jnp.full_like(s, shards))
+    out_ref[:, pl.ds(t * width, width)] = ops.mul(s, _inverse_count(shards))
 
 
 def _pallas_settings(backend: str, interpret: bool | None, tile_blocks: int | None,
                      num_warps: int | None):
+  """(interpret, ops, compiler_params, tile_blocks) for a Pallas call on `backend`."""
   interpret = backend == "cpu" if interpret is None else interpret
   if interpret:
-    return True, _PLAIN_OPS, None, tile_blocks or TILE_BLOCKS["cpu"]
+    return True, _XLA_OPS, None, tile_blocks or TILE_BLOCKS["cpu"]
   tile_blocks = tile_blocks or TILE_BLOCKS.get(backend, 1)
   if backend == "gpu":
     from jax.experimental.pallas import triton as pltriton
-    return False, _triton_ops(), pltriton.CompilerParams(num_warps=num_warps or NUM_WARPS,
-                                                          num_stages=1), tile_blocks
+    params = pltriton.CompilerParams(num_warps=num_warps or NUM_WARPS, num_stages=1)
+    return False, _triton_ops(), params, tile_blocks
   if backend == "tpu":
     from jax.experimental.pallas import tpu as pltpu
-    return False, _PLAIN_OPS, pltpu.CompilerParams(dimension_semantics=("parallel",)), \
-        tile_blocks
+    return False, _XLA_OPS, pltpu.CompilerParams(dimension_semantics=("parallel",)), tile_blocks
   raise ValueError(f"no compiled Pallas path on backend {backend!r}; pass interpret=True")
 
 
@@ -218,21 +277,15 @@ def _compress_pallas(g_BxL, error_BxL, error_scale_B, bits, error_bits, beta, wi
   tile = _tile(blocks, tile_blocks)
   nbytes = block_size * bits // 8
   rows = lambda width: pl.BlockSpec((tile, width), lambda i: (i, 0))
-  out_shape = [jax.ShapeDtypeStruct((blocks, nbytes), jnp.uint8),
-               jax.ShapeDtypeStruct((blocks, 1), jnp.float32),
-               jax.ShapeDtypeStruct((blocks, block_size), jnp.int8),
-               jax.ShapeDtypeStruct((blocks, 1), jnp.float32),
-               jax.ShapeDtypeStruct((blocks, 1), jnp.int32)]
-  out_specs = [rows(nbytes), rows(1), rows(block_size), rows(1), rows(1)]
-  if with_decompressed:
-    out_shape.append(jax.ShapeDtypeStruct((blocks, block_size), jnp.float32))
-    out_specs.append(rows(block_size))
-  kernel = functools.partial(_compress_kernel, bits=bits, error_bits=error_bits,
-                             beta=np.float32(beta), one_minus_beta=np.float32(1.0 - beta),
-                             ops=ops)
+  shapes = [((blocks, nbytes), jnp.uint8), ((blocks, 1), jnp.float32),
+            ((blocks, block_size), jnp.int8), ((blocks, 1), jnp.float32),
+            ((blocks, 1), jnp.int32)] + ([((blocks, block_size), jnp.float32)]
+                                         if with_decompressed else [])
   outs = pl.pallas_call(
-      kernel, out_shape=out_shape, grid=(blocks // tile,),
-      in_specs=[rows(block_size), rows(block_size), rows(1)], out_specs=out_specs,
+      functools.partial(_compress_kernel, bits=bits, error_bits=error_bits, beta=beta, ops=ops),
+      out_shape=[jax.ShapeDtypeStruct(s, t) for s, t in shapes], grid=(blocks // tile,),
+      in_specs=[rows(block_size), rows(block_size), rows(1)],
+      out_specs=[rows(s[1]) for s, _ in shapes],
       interpret=interpret, compiler_params=params, name="loco_compress_step",
   )(g_BxL, error_BxL, error_scale_B[:, None])
   packed, scales, new_error, new_scale, finite = outs[:5]
@@ -260,7 +313,8 @@ def _mean_pallas(packed_NxBxP, scales_NxB, bits, backend, interpret, tile_blocks
 # --- Choosing the implementation -----------------------------------------------------------
 
 
-def _pallas_unsupported(bits: int, block_size: int, beta, backend: str) -> str | None:
+def _pallas_unsupported(bits: int, block_size: int, beta, backend: str,
+                        peers: int = 1) -> str | None:
   """Why the Pallas path cannot run these settings (None when it can)."""
   if pl is None:
     return "jax.experimental.pallas does not import here"
@@ -270,73 +324,96 @@ def _pallas_unsupported(bits: int, block_size: int, beta, backend: str) -> str |
     return "beta is traced (the kernel bakes it in as a constant)"
   if backend == "gpu" and block_size & (block_size - 1):
     return f"Triton tiles need a power-of-two block_size, got {block_size}"
+  if backend == "gpu" and peers & (peers - 1):
+    return f"Triton tiles need a power-of-two number of peers, got {peers}"
   return None
 
 
 @functools.cache
-def pallas_matches_jnp(backend: str, bits: int, error_bits: int, beta: float, block_size: int,
-                       tile_blocks: int | None = None, num_warps: int | None = None,
-                       interpret: bool | None = None) -> bool:
-  """Whether the Pallas kernels compile here and agree with the jnp path bit for bit.
+def pallas_report(backend: str, bits: int = 4, error_bits: int = 8, beta: float = 0.8,
+                  block_size: int = 2048, tile_blocks: int | None = None,
+                  num_warps: int | None = None, interpret: bool | None = None) -> str:
+  """"match" if the Pallas kernels run here and agree with the jnp path bit for bit, else
+  "mismatch: ..." (which outputs, how many elements) or "error: ..." (why it did not run).
 
-  Runs two compress steps (the second with the first's error) and one dequantize_mean of
-  their payloads on random data with blocks of very different magnitudes; cached per
-  configuration. `implementation="auto"` uses Pallas only where this holds.
+  Two compress steps (the second with the first's error) and a dequantize_mean of both
+  payloads, on data whose blocks differ in magnitude by about e**12; cached per configuration.
   Example:
-    >>> pallas_matches_jnp("gpu", 4, 8, 0.8, 2048)
+    >>> pallas_report("gpu", tile_blocks=8, num_warps=8)   # "match"
   """
-  try:
-    with jax.ensure_compile_time_eval():
-      blocks = 4 * (tile_blocks or TILE_BLOCKS.get(backend, 1))
-      size = blocks * block_size
-      magnitude = jnp.exp(3 * jax.random.normal(jax.random.key(1), (1, blocks, 1)))
-      g = (jax.random.normal(jax.random.key(0), (2, blocks, block_size)) * magnitude)
-      g = g.reshape(2, size).astype(jnp.float32)
-      run = {}
-      for name in ("jnp", "pallas"):
-        options = dict(bits=bits, implementation=name, tile_blocks=tile_blocks,
-                       num_warps=num_warps, interpret=interpret)
-        step = jax.jit(functools.partial(compress_step, error_bits=error_bits, beta=beta,
-                                         block_size=block_size, decompressed=True, **options))
-        error, error_scale = jnp.zeros(size, jnp.int8), jnp.zeros(blocks, jnp.float32)
-        outs = []
-        for k in range(2):
-          out = step(g[k], error, error_scale)
-          error, error_scale = out.error, out.error_scale
-          outs.append(out)
-        received = jnp.stack([o.packed.reshape(-1) for o in outs])
-        scales = jnp.stack([o.scales for o in outs])
-        mean = jax.jit(functools.partial(dequantize_mean, **options))(received, scales)
-        run[name] = jax.tree.leaves((outs, mean))
-      return all(np.array_equal(np.asarray(a), np.asarray(b))
-                 for a, b in zip(run["jnp"], run["pallas"]))
-  except Exception:  # noqa: BLE001 - any lowering or runtime failure means "use jnp"
-    import traceback; traceback.print_exc()
-    return False
+  def run(fn, *args):  # compiled and called directly: safe while an outer jit is tracing
+    return jax.jit(fn).lower(*args).compile()(*args)
+
+  if backend != jax.default_backend():
+    return f"error: asked about {backend!r}, but this process runs on {jax.default_backend()!r}"
+  blocks = 4 * (tile_blocks or TILE_BLOCKS.get(backend, 1))
+  size = blocks * block_size
+  rng = np.random.default_rng(0)
+  magnitude = np.exp(3 * rng.standard_normal((blocks, 1)))
+  g = (rng.standard_normal((2, blocks, block_size)) * magnitude).astype(np.float32)
+  results = {}
+  for name in ("jnp", "pallas"):
+    options = dict(bits=bits, implementation=name, tile_blocks=tile_blocks,
+                   num_warps=num_warps, interpret=interpret)
+    try:
+      step = functools.partial(compress_step, error_bits=error_bits, beta=beta,
+                               block_size=block_size, decompressed=True, **options)
+      error, error_scale = np.zeros(size, np.int8), np.zeros(blocks, np.float32)
+      outs = []
+      for k in range(2):
+        out = Compressed(*[np.asarray(x) for x in run(step, g[k].reshape(-1), error,
+                                                      error_scale)])
+        error, error_scale = out.error, out.error_scale
+        outs.append(out)
+      received = np.stack([o.packed.reshape(-1) for o in outs])
+      scales = np.stack([o.scales for o in outs])
+      mean = run(functools.partial(dequantize_mean, **options), received, scales)
+    except Exception as e:  # noqa: BLE001 - any lowering or runtime failure means "use jnp"
+      return f"error: {name}: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
+    results[name] = {f"{field}{k}": value for k, o in enumerate(outs)
+                     for field, value in o._asdict().items()}
+    results[name]["mean"] = np.asarray(mean)
+  differing = [f"{key} {np.sum(a != results['pallas'][key])}/{a.size}"
+               for key, a in results["jnp"].items()
+               if not np.array_equal(a, results["pallas"][key])]
+  return "match" if not differing else "mismatch: " + ", ".join(differing)
+
+
+def pallas_matches_jnp(backend: str, bits: int = 4, error_bits: int = 8, beta: float = 0.8,
+                       block_size: int = 2048, tile_blocks: int | None = None,
+                       num_warps: int | None = None, interpret: bool | None = None) -> bool:
+  """Whether `pallas_report` is "match": where `implementation="auto"` may pick Pallas.
+
+  Example:
+    >>> pallas_matches_jnp("gpu")
+  """
+  return pallas_report(backend, bits, error_bits, beta, block_size, tile_blocks, num_warps,
+                       interpret) == "match"
 
 
 def _resolve(implementation: str, blocks: int, bits: int, error_bits: int, beta,
-             block_size: int, tile_blocks, num_warps, interpret) -> tuple[str, str]:
-  """("jnp" | "pallas", backend) for a call on `blocks` scale blocks."""
+             block_size: int, tile_blocks, num_warps, interpret,
+             peers: int = 1) -> tuple[str, str]:
+  """("jnp" | "pallas", backend) for a call on `blocks` scale blocks (of `peers` shards)."""
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
   backend = jax.default_backend()
   if implementation == "jnp":
     return "jnp", backend
-  why_not = _pallas_unsupported(bits, block_size, beta, backend)
+  why_not = _pallas_unsupported(bits, block_size, beta, backend, peers)
   if implementation == "pallas":
     if why_not:
       raise ValueError(f"implementation='pallas' cannot run here: {why_not}")
     return "pallas", backend
   tile = tile_blocks or TILE_BLOCKS.get(backend, 1)
   if why_not or backend not in ("gpu", "tpu") or interpret or blocks % tile:
-    return "jnp", backend  # the probe below is only representative of whole tiles
+    return "jnp", backend  # the probe only vouches for whole tiles
   ok = pallas_matches_jnp(backend, bits, error_bits, float(beta), block_size, tile_blocks,
                           num_warps)
   return ("pallas" if ok else "jnp"), backend
 
 
-def chosen_implementation(blocks: int = 1 << 20, bits: int = 4, error_bits: int = 8,
+def chosen_implementation(blocks: int = 1 << 19, bits: int = 4, error_bits: int = 8,
                           beta: float = 0.8, block_size: int = 2048,
                           tile_blocks: int | None = None, num_warps: int | None = None) -> str:
   """What `implementation="auto"` runs on the current backend: "pallas" or "jnp".
@@ -351,66 +428,89 @@ def chosen_implementation(blocks: int = 1 << 20, bits: int = 4, error_bits: int 
 # --- Public API ----------------------------------------------------------------------------
 
 
+def _check_compress(size: int, error, error_scale, bits: int, error_bits: int,
+                    block_size: int) -> int:
+  quant.check_bits(bits)
+  quant.check_bits(error_bits, "error_bits")
+  if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or (
+      block_size <= 0 or block_size % quant.PACK_UNIT):
+    raise ValueError(f"block_size must be a positive multiple of {quant.PACK_UNIT}, got "
+                     f"{block_size!r}")
+  if size == 0 or size % block_size:
+    raise ValueError(f"compress_step needs a size that is a positive multiple of block_size="
+                     f"{block_size}, got {size} (loco() handles ragged leaves)")
+  blocks = size // block_size
+  if error.shape != (size,) or error.dtype != jnp.int8:
+    raise ValueError(f"error must be int8 [{size}], got {error.dtype} {tuple(error.shape)}")
+  if error_scale.shape != (blocks,):
+    raise ValueError(f"error_scale must be float32 [{blocks}] (one per block), got "
+                     f"{tuple(error_scale.shape)}")
+  return blocks
+
+
 def compress_step(g: jax.Array, error: jax.Array, error_scale: jax.Array, *, bits: int = 4,
                   error_bits: int = 8, beta: float = 0.8, reset: jax.Array | bool = False,
                   block_size: int = 2048, decompressed: bool = False,
                   implementation: str = "auto", tile_blocks: int | None = None,
                   num_warps: int | None = None, interpret: bool | None = None) -> Compressed:
-  """LoCo's step on a flat float32 vector whose size is a multiple of `block_size`, fused.
+  """LoCo's step (absmax block scales) on a flat vector whose size is a multiple of block_size.
 
-  Same numbers as `loco(bits, error_bits=..., beta=..., block_size=...)` (absmax block scales):
-  e = error / error_scale (0 if `reset`), h = g + e, q = compress(h; qmax / max|h|_block),
-  d = q / s, error' = compress(beta e + (1 - beta)(h - d); per-block absmax, error_bits).
-  Reads g (4 B) and the error (1 B) once and writes the packed payload (bits / 8 B), the new
-  error (1 B) and the scales: 6.5 B an element at 4 bits. `implementation="pallas"` is one
-  kernel (one program instance per `tile_blocks` scale blocks; Triton on GPU, Mosaic on TPU,
-  the interpreter on CPU); "jnp" is the XLA formulation; "auto" picks Pallas on GPU/TPU when
-  `pallas_matches_jnp` holds, else jnp. Non-finite input: `finite` is False and the other
-  outputs are unspecified (loco keeps its old state then).
+  The numbers of `loco(bits, error_bits=..., beta=..., block_size=...)` for one aligned leaf:
+  e = error / error_scale (0 if `reset`), h = g + e, q = compress(h; s = qmax / max|h|) per
+  block, d = q / s, error' = compress(beta e + (1 - beta)(h - d); per-block absmax,
+  error_bits), every operation rounded once (see `_sealed`). The Pallas kernel reads g (4 B)
+  and the error (1 B) once and writes the payload (bits / 8 B) and the new error (1 B): 6.5 B
+  an element at 4 bits (plus 4 B with `decompressed`).
+  `implementation`: "pallas" is one kernel, one program instance per `tile_blocks` scale blocks
+  (Triton on GPU, Mosaic on TPU, the interpreter on CPU); "jnp" is the XLA formulation; "auto"
+  takes Pallas on GPU/TPU where `pallas_matches_jnp` holds, else jnp. A non-finite g gives
+  finite=False and unspecified other outputs (loco then keeps its previous state).
   Example:
     >>> out = compress_step(g, jnp.zeros(g.size, jnp.int8), jnp.zeros(g.size // 2048))
-    >>> out.packed.shape, out.error.dtype   # ((g.size // 2048, 1024), int8)
+    >>> out.packed.shape, out.error.dtype    # ((g.size // 2048, 1024), int8)
   """
-  size = g.size
-  blocks = _check(size, error, error_scale, bits, error_bits, block_size)
+  blocks = _check_compress(g.size, error, error_scale, bits, error_bits, block_size)
   name, backend = _resolve(implementation, blocks, bits, error_bits, beta, block_size,
                            tile_blocks, num_warps, interpret)
-  g = g.reshape(-1).astype(jnp.float32)
-  error_scale = error_scale.astype(jnp.float32)
+  g_BxL = g.reshape(blocks, block_size).astype(jnp.float32)
+  error_BxL = error.reshape(blocks, block_size)
+  # A reset zeroes the error: a zero scale decompresses to exactly 0, as loco's where() does.
+  error_scale = jnp.where(reset, 0.0, error_scale.astype(jnp.float32))
   if name == "jnp":
-    out = _compress_jnp(g, error, error_scale, reset, bits, error_bits, beta, decompressed)
+    out = _compress_jnp(g_BxL, error_BxL, error_scale, bits, error_bits, beta, decompressed,
+                        backend)
   else:
-    # A reset zeroes the stored error: a zero scale decompresses to exactly 0, as where() does.
-    out = _compress_pallas(g.reshape(blocks, block_size), error.reshape(blocks, block_size),
-                           jnp.where(reset, 0.0, error_scale), bits, error_bits, beta,
-                           decompressed, backend, interpret, tile_blocks, num_warps)
+    out = _compress_pallas(g_BxL, error_BxL, error_scale, bits, error_bits, beta, decompressed,
+                           backend, interpret, tile_blocks, num_warps)
   return Compressed(*out)
 
 
 def dequantize_mean(received: jax.Array, scales: jax.Array, *, bits: int = 4,
                     implementation: str = "auto", tile_blocks: int | None = None,
                     num_warps: int | None = None, interpret: bool | None = None) -> jax.Array:
-  """The float32 mean of N peers' packed shards: what each device does after the all-to-all.
+  """The float32 mean of N peers' packed shards: a device's work after the all-to-all.
 
-  `received` is uint8 [N, blocks * block_len * bits / 8] (row j from peer j, quant.pack layout
-  per block) and `scales` float32 [N, blocks]; returns float32 [blocks * block_len], the same
-  numbers as comm.all_to_all_mean's decode and mean, in one pass over the N shards.
+  `received` is uint8 [N, blocks * block_len * bits / 8] (row j from peer j, quant.pack's
+  layout within each block) and `scales` float32 [N, blocks]; returns float32
+  [blocks * block_len]: the sum over j of q_j / s_j in peer order, times 1/N (what
+  comm.all_to_all_mean computes; XLA divides by N as a product with 1/N), in one pass over the
+  N shards.
   Example:
-    >>> dequantize_mean(jnp.stack([a.packed.reshape(-1), b.packed.reshape(-1)]),
-    ...                 jnp.stack([a.scales, b.scales]))
+    >>> mean = dequantize_mean(jnp.stack([a.packed.reshape(-1), b.packed.reshape(-1)]),
+    ...                        jnp.stack([a.scales, b.scales]))
   """
   quant.check_bits(bits)
   if received.ndim != 2 or scales.ndim != 2 or received.shape[0] != scales.shape[0]:
-    raise ValueError(f"received must be [N, bytes] and scales [N, blocks], got "
-                     f"{received.shape} and {scales.shape}")
+    raise ValueError(f"received must be [N, bytes] and scales [N, blocks] with the same N, got "
+                     f"{tuple(received.shape)} and {tuple(scales.shape)}")
   shards, nbytes = received.shape
   blocks = scales.shape[1]
-  if blocks == 0 or nbytes % blocks or (nbytes // blocks) % bits:
+  if shards == 0 or blocks == 0 or nbytes % blocks or (nbytes // blocks) % bits:
     raise ValueError(f"{nbytes} bytes a shard do not split into {blocks} blocks of whole "
-                     f"packing units of {bits} bits")
+                     f"{bits}-bit packing units")
   block_len = nbytes // blocks * 8 // bits
   name, backend = _resolve(implementation, blocks, bits, 8, 0.8, block_len, tile_blocks,
-                           num_warps, interpret)
+                           num_warps, interpret, peers=shards)
   packed_NxBxP = received.reshape(shards, blocks, nbytes // blocks)
   if name == "jnp":
     return _mean_jnp(packed_NxBxP, scales.astype(jnp.float32), bits)

@@ -15,6 +15,8 @@ from loco_jax import baselines
 
 # name -> (factory, keyword arguments, static_args for inject_hyperparams)
 TRANSFORMATIONS = {
+    "co3": (loco_jax.co3, dict(gamma=0.7, refit_interval=2),
+            ("fmt", "refit_interval", "entropy_code", "axis_name", "capacity_bits")),
     "loco": (loco_jax.loco, dict(beta=0.8),
              ("bits", "error_bits", "reset_interval", "block_size", "axis_name", "gather",
               "scatter", "scale", "error_scale")),

@@ -1,0 +1,185 @@
+"""Shared by the experiment scripts: device set-up, named method variants, result files."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any, Callable, NamedTuple, Sequence
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+
+VARIANT_HELP = """Method variants (names used by compare.py and sweep.py):
+  none | bf16                      float32 / bfloat16 all-reduce
+  noef<b>                          <b>-bit absmax blocks, no feedback (noef4 = demo int4-noef)
+  ef<b>                            classic EF, float32 error (ef4 = demo ef4)
+  ef21-<b> | sign | topk<pct>      EF21, 1-bit sign with EF, top-k with EF (topk1 = 1%)
+  loco<b>[-b<beta>][-e<bits>|-efp32][-fixed][-q]
+                                   LoCo at <b> bits; -b: beta (default 0.8); -e: error bits
+                                   (default 8); -efp32: float32 error (this file's
+                                   fp32_error_loco); -fixed: the demo's fixed scale; -q: the
+                                   all-gather re-quantized (gather="quantized")
+  co3-fp4 | co3-fp8                CO3, once loco_jax.co3 exists"""
+
+
+def setup(devices: int, platform: str = "cpu", cache_dir: str | None = None) -> None:
+  """Device count and platform before jax starts, and an optional persistent compile cache
+  (identical steps, e.g. other seeds, then compile once)."""
+  os.environ.setdefault("JAX_PLATFORMS", platform)
+  import jax
+  from loco_jax import demo
+  if platform == "cpu":
+    demo.setup_devices(devices, platform=None)
+  elif jax.device_count() < devices:
+    raise SystemExit(f"--devices {devices}: only {jax.device_count()} {platform} devices")
+  if cache_dir:
+    jax.config.update("jax_compilation_cache_dir", str(cache_dir))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+# --- LoCo with a float32 error (not in the library: an ablation of its int8 storage) ------------
+
+class Fp32ErrorState(NamedTuple):
+  error: Any  # float32, like the params; differs per device
+  PER_DEVICE = ("error",)
+
+
+def fp32_error_loco(bits: int, beta: float, block_size: int = 2048, axis_name: str = "data"):
+  """LoCo's update e' = beta e + (1 - beta)(h - d) with e kept in float32, on LoCo's wire.
+
+  The feedback runs locally on the wire's block layout, then `baselines.int_quantized` sends d:
+  re-quantizing d on its own blocks gives d back (its absmax is h's), so the wire is the real
+  `bits`-bit all-to-all. Reset and non-finite handling are left out.
+  """
+  import jax
+  import jax.numpy as jnp
+  import optax
+  from loco_jax import baselines, comm, quant
+
+  def init_fn(params):
+    return Fp32ErrorState(jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), params))
+
+  def update_fn(updates, state, params=None, **extra_args):
+    del params, extra_args
+    n = comm.axis_size(axis_name, "fp32_error_loco")
+
+    def one(g, e):
+      h = g.astype(jnp.float32) + e
+      layout = comm.leaf_layout(h.size, n, block_size)
+      rows = comm.to_rows(h.reshape(-1), layout)
+      scales = quant.absmax_scale(rows, bits)[..., None]
+      d = comm.from_rows(quant.decompress(quant.compress(rows, scales, bits), scales),
+                         layout).reshape(h.shape)
+      return d.astype(g.dtype), beta * e + (1.0 - beta) * (h - d)
+
+    pairs = jax.tree.map(one, updates, state.error)
+    is_pair = lambda x: isinstance(x, tuple)
+    d = jax.tree.map(lambda p: p[0], pairs, is_leaf=is_pair)
+    e = jax.tree.map(lambda p: p[1], pairs, is_leaf=is_pair)
+    return d, Fp32ErrorState(e)
+
+  local = optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return optax.chain(local, baselines.int_quantized(bits, block_size, axis_name))
+
+
+# --- Variants -------------------------------------------------------------------------------------
+
+_LOCO = re.compile(r"loco(\d)((?:-b[\d.]+|-e\d|-efp32|-fixed|-q)*)$")
+
+
+def make_variant(name: str, config, axis_name: str = "data"):
+  """The compressor for a variant name (see VARIANT_HELP); ValueError for an unknown one."""
+  from loco_jax import baselines, demo, loco
+  b = config.block_size
+  if name in demo.METHODS:
+    return demo.make_compressor(name, config, axis_name)
+  if name == "co3-fp8":
+    import importlib
+    return importlib.import_module("loco_jax.co3").co3(fmt="fp8", axis_name=axis_name)
+  if m := re.fullmatch(r"noef(\d)", name):
+    return baselines.int_quantized(int(m[1]), b, axis_name)
+  if m := re.fullmatch(r"ef(\d)", name):
+    return baselines.error_feedback(int(m[1]), b, axis_name)
+  if m := re.fullmatch(r"ef21-(\d)", name):
+    return baselines.ef21(int(m[1]), b, axis_name)
+  if name == "sign":
+    return baselines.sign_ef(b, axis_name)
+  if m := re.fullmatch(r"topk([\d.]+)", name):
+    return baselines.topk_ef(float(m[1]) / 100, axis_name)
+  if m := _LOCO.fullmatch(name):
+    bits, opts = int(m[1]), m[2]
+    beta = float(re.search(r"-b([\d.]+)", opts)[1]) if "-b" in opts else 0.8
+    if "-efp32" in opts:
+      return fp32_error_loco(bits, beta, b, axis_name)
+    error_bits = int(re.search(r"-e(\d)", opts)[1]) if re.search(r"-e\d", opts) else 8
+    kwargs = dict(bits=bits, beta=beta, error_bits=error_bits, block_size=b,
+                  axis_name=axis_name, gather="quantized" if "-q" in opts else "bf16")
+    if "-fixed" in opts:
+      kwargs.update(scale=config.fixed_scale, error_scale=4 * config.fixed_scale)
+    return loco(**kwargs)
+  raise ValueError(f"unknown variant {name!r}\n{VARIANT_HELP}")
+
+
+# --- Result files ---------------------------------------------------------------------------------
+
+def append_jsonl(path: Path, record: dict) -> None:
+  """Appends one record (one line, flushed), so that an interrupted sweep keeps what it did."""
+  path.parent.mkdir(parents=True, exist_ok=True)
+  with open(path, "a") as f:
+    f.write(json.dumps(record) + "\n")
+    f.flush()
+    os.fsync(f.fileno())
+
+
+def read_jsonl(path: Path) -> list[dict]:
+  if not Path(path).exists():
+    return []
+  with open(path) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def finite_or_none(x: float) -> float | None:
+  return float(x) if x is not None and math.isfinite(x) else None
+
+
+def mean_std(values: Sequence[float]) -> str:
+  """'m ± s' (sample std) of the finite values; n/a when none."""
+  v = np.asarray([x for x in values if x is not None and math.isfinite(x)], float)
+  if v.size == 0:
+    return "n/a"
+  if v.size == 1:
+    return f"{v[0]:+.2f}"
+  return f"{v.mean():+.2f} ± {v.std(ddof=1):.2f}"
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+  tmp = Path(path).with_name(f".{Path(path).name}.tmp")
+  tmp.write_text(text)
+  os.replace(tmp, path)
+
+
+def describe(config) -> str:
+  """One line naming a config's model, batch and schedule."""
+  return (f"d_model {config.d_model}, {config.n_layers} layers, {config.devices} devices x "
+          f"{config.batch_per_device} x {config.seq_len} tokens, {config.steps} steps, "
+          f"adamw lr {config.lr:g}")
+
+
+def result_record(result, config, **extra: Any) -> dict:
+  """A JSON record of a demo.MethodResult plus the config and `extra` fields."""
+  import dataclasses
+  record = {k: (finite_or_none(v) if isinstance(v, float) else v)
+            for k, v in result.as_json().items()}
+  record.update(compile_s=result.compile_s,
+                state_bytes_per_device=result.state_bytes_per_device,
+                diverged=not math.isfinite(result.final_loss) or not math.isfinite(
+                    result.eval_loss),
+                losses=[finite_or_none(x) for x in result.losses[:: max(len(result.losses) // 100, 1)]],
+                config=dataclasses.asdict(config), **extra)
+  return record

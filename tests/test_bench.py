@@ -1,0 +1,80 @@
+"""`loco-jax bench`: a quick run end to end, the JSON records, the cost model, bad arguments."""
+
+import json
+import os
+
+import pytest
+
+from loco_jax import bench
+
+REQUIRED_KEYS = {"name", "value", "unit", "backend", "n_params"}
+
+
+def test_quick_run_writes_every_part_atomically(tmp_path, monkeypatch, capsys):
+  path = tmp_path / "out" / "bench.json"
+  replaced = []
+  real_replace = os.replace
+
+  def spy_replace(src, dst):
+    replaced.append((str(src), str(dst)))
+    return real_replace(src, dst)
+
+  monkeypatch.setattr(bench.os, "replace", spy_replace)
+  assert bench.main(["--quick", "--json", str(path)]) == 0
+  # Written once, from a temporary file in the same directory, which is gone afterwards.
+  assert len(replaced) == 1 and replaced[0][1] == str(path)
+  assert os.path.dirname(replaced[0][0]) == str(path.parent)
+  assert sorted(os.listdir(path.parent)) == ["bench.json"]
+  records = json.loads(path.read_text())
+  assert records and all(set(r) == REQUIRED_KEYS for r in records)
+  by_name = {r["name"]: r for r in records}
+  ratio = by_name["loco_over_adamw"]
+  assert ratio["unit"] == "x" and ratio["value"] > 0 and ratio["n_params"] == 2**16
+  assert ratio["backend"] == "cpu"
+  for name in ("step_ms/adamw", "step_ms/loco_update", "step_ms/copy",
+               "step_ms/compress_step_jnp", "compress_step_over_adamw",
+               "loco_bandwidth_fraction_of_copy", "hlo_fusions/compress_step_jnp",
+               "wire_bits_per_param/loco_bf16_gather",
+               "wire_bits_per_param/loco_quantized_gather",
+               "cost_model_speedup/ring/devices=8/gbps=25"):
+    assert name in by_name, name
+  # The wire bits come from the HLO: 4-bit all-to-all plus bf16 all-gather, 7/8 of each sent.
+  assert 17.4 < by_name["wire_bits_per_param/loco_bf16_gather"]["value"] < 17.6
+  assert by_name["wire_bits_per_param/loco_quantized_gather"]["value"] < 7.1
+  assert any(name.startswith("codec/") for name in by_name)
+  out = capsys.readouterr().out
+  assert "| loco_over_adamw |" in out and "## Cost model" in out
+
+
+def test_cost_model_matches_table_one_by_hand():
+  # Ring, 8 devices at 100 Gb/s (12.5e9 B/s), Psi = 7e9: 20 bits * 7e9 * 7 / (8 * 8 * 12.5e9).
+  assert bench.comm_seconds(4, 16, 7e9, 8, 100) == pytest.approx(1.225)
+  assert bench.comm_seconds(16, 16, 7e9, 8, 100) == pytest.approx(1.96)
+  # Master-server: (b_g + b_w) * Psi * N / (8 B) = 32 * 7e9 * 8 / 1e11.
+  assert bench.comm_seconds(16, 16, 7e9, 8, 100, "master-server") == pytest.approx(17.92)
+  [row] = bench.cost_model(7e9, 1e-12, 5e-13, devices=(8,), gbps=(100,))
+  assert row["ring"]["bf16_s"] == pytest.approx(0.007 + 1.96)
+  assert row["ring"]["loco_s"] == pytest.approx(0.0105 + 1.225)
+  assert row["ring"]["speedup"] == pytest.approx(1.967 / 1.2355)
+  assert row["master-server"]["speedup"] == pytest.approx((0.007 + 17.92) / (0.0105 + 11.2))
+  with pytest.raises(ValueError, match="topology"):
+    bench.comm_seconds(4, 16, 7e9, 8, 100, "tree")
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--n-params", "0"], "--n-params must be a positive integer"),
+    (["--n-params", "-3"], "--n-params must be a positive integer"),
+    (["--repeats", "0"], "--repeats must be a positive integer"),
+    (["--psi", "-1"], "--psi must be a positive"),
+    (["--skip", "gpu"], "--skip takes"),
+    (["--frobnicate"], "unrecognized arguments"),
+])
+def test_bad_arguments_exit_2_with_a_message(argv, message, capsys):
+  assert bench.main(argv) == 2
+  assert message in capsys.readouterr().err
+
+
+def test_cli_dispatches_bench(capsys):
+  from loco_jax import cli
+  assert cli.main(["bench", "--n-params", "0"]) == 2
+  assert "--n-params" in capsys.readouterr().err
