@@ -183,3 +183,9 @@ def result_record(result, config, **extra: Any) -> dict:
                 losses=[finite_or_none(x) for x in result.losses[:: max(len(result.losses) // 100, 1)]],
                 config=dataclasses.asdict(config), **extra)
   return record
+
+
+def co3_available() -> bool:
+  """True once loco_jax.co3 imports (the CO3 rows and curves are skipped until then)."""
+  from loco_jax import demo
+  return demo.co3_status() is None

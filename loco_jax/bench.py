@@ -133,19 +133,20 @@ def _step_candidates(n: int, backend: str, sweep: bool) -> tuple[list[_Candidate
   adamw_step = jax.jit(lambda grads, params, state: adamw.update(grads, state, params),
                        donate_argnums=2)
   cands = [_Candidate("adamw", adamw_step, adamw.init(g), (g, g), keep=lambda out: out[1])]
-  fusions["adamw"] = _count_fusions(adamw_step, g, g, adamw.init(g))
+  fusions["adamw"] = _count_fusions(adamw_step, g, g, jax.eval_shape(adamw.init, g))
   opt = loco()
   loco_step = jax.jit(lambda grads, state: opt.update(grads, state), donate_argnums=1)
   cands.append(_Candidate("loco_update", loco_step, opt.init(g), (g,),
                           keep=lambda out: out[1]))
-  fusions["loco_update"] = _count_fusions(loco_step, g, opt.init(g))
+  fusions["loco_update"] = _count_fusions(loco_step, g, jax.eval_shape(opt.init, g))
   copy_words = math.ceil(n * COMPRESS_BYTES / 2 / 4)  # reads and writes 6.5 B an element
   copy = jax.jit(lambda x: x + jnp.uint32(1), donate_argnums=0)
   cands.append(_Candidate("copy", lambda x: copy(x), jnp.zeros(copy_words, jnp.uint32)))
 
   block = 2048
   if n % block:
-    facts["kernels_skipped"] = f"n_params={n} is not a multiple of {block}"
+    print(f"bench: kernels not timed: n_params={n} is not a multiple of {block}",
+          file=sys.stderr)
     return cands, fusions, facts
   blocks = n // block
 
@@ -308,16 +309,60 @@ def wire_bits() -> list[Record]:
 # --- Codecs ----------------------------------------------------------------------------------
 
 
-def codec_records(n_symbols: int, repeats: int) -> tuple[list[Record], str]:
-  """loco_jax.codec_bench.run's records (prefixed "codec/") and its table; none without it."""
+def codec_records(n_symbols: int, repeats: int) -> list[Record]:
+  """loco_jax.codec_bench.run's records (prefixed "codec/"), plus bits per symbol and
+  throughput for each codec and beta; none if codec_bench is not there.
+
+  Example:
+    >>> codec_records(4096, 1)
+  """
   try:
     from loco_jax import codec_bench
   except ImportError:
-    return [], "codec_bench is not available: skipped\n"
+    print("bench: loco_jax.codec_bench is not available: codecs skipped", file=sys.stderr)
+    return []
   raw = codec_bench.run(n_symbols=n_symbols, betas=(0.5, 1.0, 2.0), seed=0, repeats=repeats)
   records = [Record("codec/" + r["name"], float(r["value"]), r["unit"]) for r in raw]
-  table = codec_bench.format_table(raw) if hasattr(codec_bench, "format_table") else ""
-  return records, table
+  values = {r["name"]: float(r["value"]) for r in raw}
+  for name, ratio in values.items():
+    metric, _, rest = name.partition("/")
+    if metric != "size_vs_entropy":
+      continue
+    codec, _, beta = rest.partition("/")
+    entropy = values.get(f"entropy/symbols/{beta}")
+    total_ms = values.get(f"encode_decode_ms/{codec}/{beta}")
+    if entropy is not None:
+      records.append(Record(f"codec_bits_per_symbol/{codec}/{beta}", ratio * entropy,
+                            "bits/symbol"))
+    if total_ms:
+      records.append(Record(f"codec_throughput/{codec}/{beta}", n_symbols / total_ms / 1e3,
+                            "Msymbols/s (encode + decode)"))
+  return records
+
+
+def _codec_table(records: list[Record]) -> list[str]:
+  """| codec | bits/symbol and Msymbols/s at each beta |, from `codec_records`."""
+  table: dict[str, dict[str, str]] = {}
+  betas = []
+  for r in records:
+    metric, _, rest = r.name.partition("/")
+    if metric not in ("codec_bits_per_symbol", "codec_throughput"):
+      continue
+    codec, _, beta = rest.partition("/")
+    betas += [beta] if beta not in betas else []
+    cell = table.setdefault(codec, {}).setdefault(beta, "")
+    text = f"{r.value:.3f} b" if metric == "codec_bits_per_symbol" else f"{r.value:.1f} M/s"
+    table[codec][beta] = f"{cell}, {text}" if cell else text
+  if not table:
+    return []
+  entropy = {r.name.rsplit("/", 1)[1]: r.value for r in records
+             if r.name.startswith("codec/entropy/")}
+  lines = ["| codec | " + " | ".join(betas) + " |", "|---|" + "---|" * len(betas),
+           "| (entropy) | " + " | ".join(f"{entropy.get(b, float('nan')):.3f} b"
+                                         for b in betas) + " |"]
+  lines += [f"| {codec} | " + " | ".join(cells.get(b, "") for b in betas) + " |"
+            for codec, cells in table.items()]
+  return lines
 
 
 # --- Kernel checks (run on the device: `loco-jax bench --check-kernels`) ---------------------
@@ -404,7 +449,7 @@ def _value(records: list[Record], name: str) -> float | None:
 
 
 def format_tables(records: list[Record], backend: str, n: int, repeats: int, psi: float,
-                  cost_rows: list[dict], codec_table: str) -> str:
+                  cost_rows: list[dict], codec_symbols: int) -> str:
   """The markdown printed by `loco-jax bench`."""
   lines = [f"## Step times: backend {backend}, n_params = {n}, median of {repeats} "
            "(interleaved)", "",
@@ -436,8 +481,10 @@ def format_tables(records: list[Record], backend: str, n: int, repeats: int, psi
     lines += ["", f"## Wire bits per parameter per device ({WIRE_DEVICES} devices, lowered HLO)",
               "", "| method | bits |", "|---|---|"]
     lines += [f"| {r.name.split('/', 1)[1]} | {r.value:.3f} |" for r in wire]
-  if codec_table:
-    lines += ["", "## Codecs (host CPU)", "", codec_table.rstrip()]
+  codec_lines = _codec_table(records)
+  if codec_lines:
+    lines += ["", f"## Codecs on the host CPU: bits per symbol, encode + decode throughput "
+              f"({codec_symbols} fp4 GenNorm symbols per beta)", ""] + codec_lines
   if cost_rows:
     lines += ["", f"## Cost model: Psi = {psi:.3g} params, LoCo paper Table I, compute from "
               f"this run's adamw and loco_update ({backend}), no overlap", "",
@@ -536,18 +583,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                             f"gbps={row['gbps']}", row[topology]["speedup"], "x"))
   if "wire" not in skip:
     records += wire_bits()
-  codec_table = ""
+  codec_symbols = args.codec_symbols or (2**12 if args.quick else 2**20)
   if "codec" not in skip:
-    symbols = args.codec_symbols or (2**12 if args.quick else 2**20)
-    codec, codec_table = codec_records(symbols, 1 if args.quick else 3)
-    records += codec
-  print(format_tables(records, backend, n, repeats, args.psi, cost_rows, codec_table), end="")
+    records += codec_records(codec_symbols, 1 if args.quick else 3)
+  print(format_tables(records, backend, n, repeats, args.psi, cost_rows, codec_symbols), end="")
   print(f"\n({time.perf_counter() - started:.1f} s, jax {jax.__version__}, "
         f"{jax.devices()[0].device_kind})")
   if args.json:
-    codec_symbols = args.codec_symbols or (2**12 if args.quick else 2**20)
     out = [dict(r._asdict(), backend=backend,
-                n_params=(codec_symbols if r.name.startswith("codec/") else
+                n_params=(codec_symbols if r.name.startswith("codec") else
                           sum(math.prod(s) for s in WIRE_PARAMS.values())
                           if r.name.startswith("wire_bits") else
                           args.psi if r.name.startswith("cost_model") else n))

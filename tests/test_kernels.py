@@ -66,7 +66,7 @@ def _jit_step(implementation: str, **options):
       g, e, s, reset=reset, decompressed=True, implementation=implementation, **options))
 
 
-@pytest.mark.parametrize("blocks,bits", [(1, 4), (5, 4), (40, 4), (16, 8)])
+@pytest.mark.parametrize("blocks,bits", [(1, 4), (40, 4), (6, 8)])
 def test_jnp_path_equals_loco_bit_for_bit(blocks, bits):
   opt = loco(bits=bits, reset_interval=1)  # reset every step: the error is zero at each step
   state = opt.init(jnp.zeros(blocks * BLOCK))
@@ -147,12 +147,10 @@ def test_auto_is_jnp_on_cpu_and_the_probe_passes_in_interpret_mode():
 
 
 def _peer_payloads(peers: int, blocks: int, bits: int = 4):
-  step = jax.jit(lambda g: kernels.compress_step(
-      g, jnp.zeros(g.size, jnp.int8), jnp.zeros(blocks, jnp.float32), bits=bits,
-      implementation="jnp"))
-  outs = [step(jnp.asarray(_gradients(100 + j, blocks))) for j in range(peers)]
-  received = np.stack([np.asarray(o.packed).reshape(-1) for o in outs])
-  scales = np.stack([np.asarray(o.scales) for o in outs])
+  """Random packed shards (every code equally likely) and scales spread over e**(+-9)."""
+  rng = np.random.default_rng(peers)
+  received = rng.integers(0, 256, (peers, blocks * BLOCK * bits // 8), dtype=np.uint8)
+  scales = np.exp(3 * rng.standard_normal((peers, blocks))).astype(F32)
   scales[0, blocks // 2] = 0.0  # a vanishing block decompresses to 0
   return received, scales
 

@@ -101,3 +101,21 @@ def test_bad_axis_and_batch():
   _, state, step = _train("ddp", _mean(), steps=1)
   with pytest.raises(ValueError, match="not divisible"):
     step(state, jnp.zeros((12, 20)))
+
+
+def test_apply_if_finite_after_the_compressor_skips_a_bad_step_everywhere():
+  mesh = parallel.data_mesh(N)
+  optimizer = optax.apply_if_finite(optax.adam(1e-2), max_consecutive_errors=5)
+  compressor = loco(axis_name="data")
+  state, specs = parallel.init_train_state(_params(), optimizer, mesh, compressor=compressor)
+  step = parallel.make_train_step(_loss, optimizer, mesh, specs, _params(),
+                                  compressor=compressor)
+  batch = next(_batches(1))
+  state, _ = step(state, batch)
+  before = jax.tree.map(np.asarray, (state.params, state.compressor_state))
+  poisoned = batch.at[5, 0].set(jnp.nan)  # one device's shard of the batch
+  state, loss = step(state, poisoned)
+  assert np.isnan(float(loss))
+  jax.tree.map(np.testing.assert_array_equal, before,
+               jax.tree.map(np.asarray, (state.params, state.compressor_state)))
+  assert int(state.opt_state.total_notfinite) == 1
