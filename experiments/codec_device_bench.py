@@ -16,7 +16,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from loco_jax import co3, fp, gennorm, huffman, huffman_jnp  # noqa: E402
+from loco_jax import fp, gennorm, huffman, huffman_jnp  # noqa: E402
+from loco_jax.co3 import HEADER_BYTES, LANE_TABLE_BYTES_PER_SYMBOL, default_capacity_bits  # noqa: E402
 
 USAGE = """Examples:
   python experiments/codec_device_bench.py                    # 1M and 4M symbols, all codecs
@@ -75,7 +76,7 @@ def _jnp_variant(spec: str, n: int, probabilities: np.ndarray, capacity_bits: fl
 def _host_variant(name: str, n: int, probabilities: np.ndarray,
                   capacity_bits: float) -> Variant:
   pairs = name == "host-pairs"
-  capacity = co3.HEADER_BYTES + math.ceil((capacity_bits / 8 + co3.LANE_TABLE_BYTES_PER_SYMBOL)
+  capacity = HEADER_BYTES + math.ceil((capacity_bits / 8 + LANE_TABLE_BYTES_PER_SYMBOL)
                                           * n)
   probabilities = probabilities[:16] if pairs else probabilities
   coder = huffman.encode_pairs if pairs else huffman.encode
@@ -125,7 +126,7 @@ def _time(fn: Callable[[], Any]) -> float:
 def bench(sizes: list[int], codecs: list[str], repeats: int, beta: float,
           unroll: int) -> list[dict[str, Any]]:
   """Median encode / decode / encode+decode seconds of every codec, repeats interleaved."""
-  capacity_bits = co3.default_capacity_bits(fp.FP4)
+  capacity_bits = default_capacity_bits(fp.FP4)
   rows = []
   for n in sizes:
     symbols_np, probabilities = _fp4_data(n, beta)
@@ -187,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
   print(f"jax {jax.__version__}, {backend}: {jax.devices()[0].device_kind}; fp4 symbols of "
         f"GenNorm(beta={args.beta}) data, model entropy "
         f"{gennorm.entropy_bits(fp.FP4, args.beta, 1.0, scale):.3f} bits; medians of "
-        f"{args.repeats} interleaved repeats; jnp decode unroll {args.unroll}", flush=True)
+        f"{args.repeats} interleaved repeats; jnp decode unroll {args.unroll}\n", flush=True)
   rows = bench(args.sizes, args.codecs, args.repeats, args.beta, args.unroll)
   print("bits/symbol: jnp payload plus a 32-bit offset a lane; host whole stream (header, lane "
         "table, payload)")

@@ -39,10 +39,20 @@ def _key(variant: str, overrides: dict, seed: int) -> str:
   return f"{variant}|{sorted(overrides.items())}|{seed}"
 
 
+def same_base(record: dict, base) -> bool:
+  """Whether a record was run from `base` (up to its seed and its group's overrides)."""
+  want = dataclasses.asdict(base)
+  got = {**record["config"], **{k: want[k] for k in record["overrides"]}, "seed": want["seed"]}
+  return got == want
+
+
 def run(groups: list[str], seeds: list[int], base, out: Path) -> None:
   from loco_jax import demo
   path = out / "runs.jsonl"
-  done = {r["key"] for r in common.read_jsonl(path)}
+  records = common.read_jsonl(path)
+  if any(not same_base(r, base) for r in records):
+    raise SystemExit(f"{path} holds runs of another base config; use another --out")
+  done = {r["key"] for r in records}
   todo = []
   for group in groups:
     for overrides, variants in GROUPS[group]:

@@ -78,9 +78,8 @@ def measure(row: Row, config) -> dict:
   text = step.jitted.lower(state, batch).as_text(dialect="hlo")
   found = [c for c in comm.collectives(text, config.devices) if c.nbytes > _SCALAR_BYTES]
   b_g = demo.gradient_bits(found, n_params)
-  first = found[0].op if found else None
-  others = [c for c in found if c.op != first]
-  b_w = 8.0 * sum(c.nbytes for c in others) / n_params
+  gradient = demo.gradient_collectives(found)
+  b_w = 8.0 * sum(c.nbytes for c in found if all(c is not g for g in gradient)) / n_params
   per_param = lambda tree: demo.per_device_bytes(tree) / n_params
   return {
       "method": row.name, "stands for": row.paper, "mode": row.mode,

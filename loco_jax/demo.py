@@ -30,6 +30,7 @@ DESCRIPTIONS = {
 RESULT_KEYS = ("method", "final_loss", "eval_loss", "gradient_bits_per_param",
                "wire_bits_per_param", "step_time_s")
 AXIS = "data"
+EVAL_SEED = 2024  # the held-out windows do not change with --seed
 _SCALAR_BYTES = 64  # collectives this small carry a loss or a finiteness flag, not the gradient
 
 
@@ -49,7 +50,7 @@ class DemoConfig:
   seed: int = 0
   block_size: int = 2048
   fixed_scale: float = 2.0 ** 17
-  eval_batches: int = 8
+  eval_batches: int = 16
   corpus_bytes: int = 4_000_000
 
   @property
@@ -154,6 +155,21 @@ def setup_devices(n: int, platform: str | None = "cpu") -> None:
                     f"jax was started before the demo could set the CPU device count")
 
 
+def held_out_split(raw: bytes, fraction: float = 0.1,
+                   chunk: int = 65_536) -> tuple[bytes, bytes]:
+  """(train, eval): every 1/fraction-th chunk of `chunk` bytes is held out, so that the eval
+  text is drawn from the whole corpus (the stdlib's last files are codec tables); corpora of
+  fewer than 2/fraction chunks are split by `data.split` (the last fraction)."""
+  from loco_jax import data
+  every = round(1 / fraction)
+  chunks = [raw[i:i + chunk] for i in range(0, len(raw), chunk)]
+  if len(chunks) < 2 * every:
+    return data.split(raw, fraction)
+  held = set(range(every // 2, len(chunks), every))
+  return (b"".join(c for i, c in enumerate(chunks) if i not in held),
+          b"".join(c for i, c in enumerate(chunks) if i in held))
+
+
 def load_corpus(config: DemoConfig, data_path: str | os.PathLike | None = None) -> Corpus:
   """Train and eval batches of the stdlib sources (or of the text at `data_path`)."""
   from loco_jax import data
@@ -166,15 +182,15 @@ def load_corpus(config: DemoConfig, data_path: str | os.PathLike | None = None) 
   if len(raw) < need:
     raise DemoError(f"text at {source} has {len(raw)} bytes; the demo needs at least {need} "
                     f"(two windows of seq_len + 1 and some to split off for evaluation)")
-  train, held_out = data.split(raw, 0.1)
+  train, held_out = held_out_split(raw, 0.1)
   train_SxBxL = np.stack(list(data.batches(train, b, l, seed=config.seed,
                                            num_batches=config.steps)))
-  # Short held-out text: evaluate on whatever whole windows it has, at least one.
-  eval_b = min(b, max((len(held_out) - 1) // l, 1))
   if len(held_out) < l + 1:
-    held_out = train[-(l + 1) * b:]  # too short to split: evaluate on the tail of the train text
-    eval_b = min(b, (len(held_out) - 1) // l)
-  eval_list = list(data.eval_batches(held_out, eval_b, l, max_batches=config.eval_batches))
+    held_out = train  # too short to hold any out: evaluate on train windows
+  # Random windows over all of the held-out text, the same for every seed and method.
+  eval_b = min(b, max((len(held_out) - 1) // l, 1))
+  eval_list = list(data.batches(held_out, eval_b, l, seed=EVAL_SEED,
+                                num_batches=config.eval_batches))
   return Corpus(train_SxBxL, np.stack(eval_list), source)
 
 
@@ -200,21 +216,27 @@ def make_optimizer(config: DemoConfig):
 
 # --- Measuring ------------------------------------------------------------------------------------
 
-def gradient_bits(found: Sequence[Any], n_params: int) -> float:
-  """Bits per parameter of one device's gradient payload (codes plus scales), from the HLO.
+def gradient_collectives(found: Sequence[Any]) -> list[Any]:
+  """The collectives that carry the gradient payload (codes plus scales), in HLO order.
 
-  The payload is the first collective of the step that is not a scalar (a loss, a flag), with
-  the other collectives of its kind when the gradient goes leaf by leaf (pmean of a pytree is
-  one all-reduce a leaf): an all-reduce's or all-to-all's buffer, an all-gather's share of one
-  device (its result / group size).
+  The first non-scalar all-to-all, all-reduce or reduce-scatter of the step (scalars carry a
+  loss or a flag), with the others of its kind when the gradient goes leaf by leaf (pmean of a
+  pytree is one all-reduce a leaf); for a method that only gathers (top-k, CO3's server
+  average), its all-gathers.
   """
-  ops = ("all-to-all", "all-reduce", "all-gather", "reduce-scatter")
-  gradient = [c for c in found if c.op in ops and c.nbytes > _SCALAR_BYTES]
-  if not gradient:
-    return 0.0
-  first = gradient[0].op
+  big = [c for c in found if c.nbytes > _SCALAR_BYTES]
+  for ops in (("all-to-all", "all-reduce", "reduce-scatter"), ("all-gather",)):
+    chosen = [c for c in big if c.op in ops]
+    if chosen:
+      return [c for c in chosen if c.op == chosen[0].op]
+  return []
+
+
+def gradient_bits(found: Sequence[Any], n_params: int) -> float:
+  """Bits per parameter of one device's gradient payload: the buffer of `gradient_collectives`
+  (for an all-gather, one device's share: its result / group size)."""
   nbytes = sum(c.nbytes / (c.group_size if c.op == "all-gather" else 1)
-               for c in gradient if c.op == first)
+               for c in gradient_collectives(found))
   return 8.0 * nbytes / n_params
 
 
@@ -247,14 +269,18 @@ def evaluate(loss_fn: Callable, params: Any, eval_KxBxL: np.ndarray, mesh) -> fl
 
 
 def run_method(name: str, compressor, config: DemoConfig, corpus: Corpus,
-               progress: Progress | None = None, optimizer=None) -> MethodResult:
+               progress: Progress | None = None, optimizer=None, mode: str = "ddp",
+               observe: Callable[[Any, int], None] | None = None,
+               **step_kwargs: Any) -> MethodResult:
   """Trains the demo model with `compressor` averaging the gradients over the devices.
+
+  `mode` and `step_kwargs` go to `parallel.make_train_step` ("zero2" needs a compressor with
+  reduce-scatter semantics); `observe(state, step)` is called after every step.
 
   Example:
     >>> config = DemoConfig(steps=20)
     >>> result = run_method("loco4", make_compressor("loco4"), config, load_corpus(config))
   """
-  import jax
   import jax.numpy as jnp
   from loco_jax import comm, parallel
   from loco_jax.models import num_params
@@ -263,8 +289,10 @@ def run_method(name: str, compressor, config: DemoConfig, corpus: Corpus,
   _, params, loss_fn = make_model(config)
   n_params = num_params(params)
   optimizer = optimizer or make_optimizer(config)
-  state, specs = parallel.init_train_state(params, optimizer, mesh, compressor=compressor)
-  step = parallel.make_train_step(loss_fn, optimizer, mesh, specs, params, compressor=compressor)
+  state, specs = parallel.init_train_state(params, optimizer, mesh, compressor=compressor,
+                                           mode=mode)
+  step = parallel.make_train_step(loss_fn, optimizer, mesh, specs, params,
+                                  compressor=compressor, mode=mode, **step_kwargs)
   batches = corpus.train_SxBxL
   start = time.perf_counter()
   lowered = step.jitted.lower(state, jnp.asarray(batches[0]))
@@ -277,12 +305,15 @@ def run_method(name: str, compressor, config: DemoConfig, corpus: Corpus,
     state, loss = compiled(state, jnp.asarray(batch))
     losses.append(float(loss))
     times.append(time.perf_counter() - t0)
+    if observe:
+      observe(state, i + 1)
     if progress:
       progress.update(name, i + 1, losses[-1], times[-1])
+  final = state.params if mode == "ddp" else parallel.unshard_params(state.params, params)
   tail = losses[-max(len(losses) // 10, 1):]
   return MethodResult(
       method=name, final_loss=float(np.mean(tail)),
-      eval_loss=evaluate(loss_fn, state.params, corpus.eval_KxBxL, mesh),
+      eval_loss=evaluate(loss_fn, final, corpus.eval_KxBxL, mesh),
       gradient_bits_per_param=round(gradient_bits(found, n_params), 4),
       wire_bits_per_param=round(comm.wire_bits_per_param(found, n_params), 4),
       step_time_s=float(np.median(times[1:] if len(times) > 1 else times)),

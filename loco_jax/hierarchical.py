@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import optax
 
 from loco_jax import comm
-from loco_jax.loco import _check_args, _compressible, _feedback_step, _keep_if
+from loco_jax.loco import (_check_args, _compressible, _feedback_step, _is_due, _keep_if,
+                           _nonfinite_flag)
 
 INTRA_MODES = ("reduce_scatter", "loco")
 
@@ -80,15 +81,14 @@ def two_hop(
     flat = lambda tree: [None] * len(leaves) if tree is None else treedef.flatten_up_to(tree)
     local, nodes = comm.axis_size(local_axis, "two_hop"), comm.axis_size(node_axis, "two_hop")
     k = state.count
-    reset = (k > 0) & (k % reset_interval == 0) if reset_interval > 0 else jnp.bool_(False)
     step = lambda g, err, err_scale, send: _feedback_step(
-        g, err, err_scale, send, reset, bits, scale, error_bits, error_scale, beta, block_size)
+        g, err, err_scale, send, _is_due(k, reset_interval), bits, scale, error_bits,
+        error_scale, beta, block_size)
 
     chosen = [i for i, g in enumerate(leaves) if _compressible(g)]
-    finite = jnp.bool_(True)
-    for i in chosen:
-      finite &= jnp.all(jnp.isfinite(leaves[i]))
-    flag = jnp.where(finite, 0.0, jnp.nan).astype(jnp.float32)
+    if not chosen:  # nothing to compress or send
+      return updates, state._replace(count=optax.safe_increment(k))
+    _, flag = _nonfinite_flag(leaves, chosen)
     grads = [leaves[i].reshape(-1).astype(jnp.float32) for i in chosen]
     layouts1 = [comm.leaf_layout(g.size, local, wire_block) for g in grads]
 

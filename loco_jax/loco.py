@@ -95,6 +95,22 @@ def _feedback_step(g: jax.Array, error: jax.Array, error_scales, send: LeafLayou
   return _Feedback(sent, comm.from_rows(residual.codes, own), new_scales)
 
 
+def _is_due(count: jax.Array, reset_interval: int) -> jax.Array:
+  """Whether the error is zeroed before this step: k > 0 and a multiple of reset_interval."""
+  if reset_interval == 0:
+    return jnp.bool_(False)
+  return (count > 0) & (count % reset_interval == 0)
+
+
+def _nonfinite_flag(leaves: list, chosen: list[int]) -> tuple[jax.Array, jax.Array]:
+  """(all finite, flag): the flag is 0.0, or NaN when some gradient is not finite; it travels
+  with the payload so that every device of the axis learns of it."""
+  finite = jnp.bool_(True)
+  for i in chosen:
+    finite &= jnp.all(jnp.isfinite(leaves[i]))
+  return finite, jnp.where(finite, 0.0, jnp.nan).astype(jnp.float32)
+
+
 def _keep_if(finite, new, old):
   return jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
 
@@ -175,15 +191,14 @@ def loco(
     errors, error_scales = flat_state(state.error), flat_state(state.error_scale)
     rows = rows_on_axis()
     k = state.count
-    reset = (k > 0) & (k % reset_interval == 0) if reset_interval > 0 else jnp.bool_(False)
+    reset = _is_due(k, reset_interval)
     step = lambda g, err, err_scales, send: _feedback_step(
         g, err, err_scales, send, reset, bits, scale, error_bits, error_scale, beta, block_size)
 
     chosen = [i for i, g in enumerate(leaves) if _compressible(g)]
-    finite = jnp.bool_(True)
-    for i in chosen:
-      finite &= jnp.all(jnp.isfinite(leaves[i]))
-    flag = jnp.where(finite, 0.0, jnp.nan).astype(jnp.float32)
+    if not chosen:  # nothing to compress or send
+      return updates, state._replace(count=optax.safe_increment(k))
+    finite, flag = _nonfinite_flag(leaves, chosen)
 
     sent, layouts = [], []
     new_errors, new_error_scales = list(errors), list(error_scales)

@@ -123,3 +123,14 @@ def test_non_finite_on_one_device_skips_the_step_on_every_device(mesh):
   assert all(np.all(np.isnan(np.asarray(x))) for x in jax.tree.leaves(out))
   jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)),
                after, state)
+
+
+def test_a_tree_with_nothing_to_compress_passes_through(mesh):
+  params = {"step": jnp.zeros((8,), jnp.int32)}
+  opt = loco(axis_name="data")
+  state, specs = parallel.init_opt_state(opt, params, mesh)
+  step = jax.jit(jax.shard_map(opt.update, mesh=mesh, in_specs=(P("data"), specs),
+                               out_specs=(P("data"), specs)))
+  out, state = step(params, state)
+  np.testing.assert_array_equal(np.asarray(out["step"]), 0)
+  assert int(state.count) == 1
