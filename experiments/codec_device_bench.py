@@ -17,7 +17,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from loco_jax import fp, gennorm, huffman, huffman_jnp  # noqa: E402
-from loco_jax.co3 import HEADER_BYTES, LANE_TABLE_BYTES_PER_SYMBOL, default_capacity_bits  # noqa: E402
+from loco_jax.co3 import (  # noqa: E402
+    HEADER_BYTES, LANE_TABLE_BYTES_PER_SYMBOL, default_capacity_bits)
 
 USAGE = """Examples:
   python experiments/codec_device_bench.py                    # 1M and 4M symbols, all codecs
@@ -76,8 +77,7 @@ def _jnp_variant(spec: str, n: int, probabilities: np.ndarray, capacity_bits: fl
 def _host_variant(name: str, n: int, probabilities: np.ndarray,
                   capacity_bits: float) -> Variant:
   pairs = name == "host-pairs"
-  capacity = HEADER_BYTES + math.ceil((capacity_bits / 8 + LANE_TABLE_BYTES_PER_SYMBOL)
-                                          * n)
+  capacity = HEADER_BYTES + math.ceil((capacity_bits / 8 + LANE_TABLE_BYTES_PER_SYMBOL) * n)
   probabilities = probabilities[:16] if pairs else probabilities
   coder = huffman.encode_pairs if pairs else huffman.encode
   coded_type = (jax.ShapeDtypeStruct((capacity,), jnp.uint8), jax.ShapeDtypeStruct((), jnp.int32))

@@ -88,16 +88,18 @@ def encode(symbols: jax.Array, code_lengths: jax.Array, codes: jax.Array, *,
 
   Args:
     symbols: uint8[n].
-    code_lengths: uint8[256] (at most 16 bits), e.g. from make_table or huffman.code_lengths.
+    code_lengths: uint8[256], at most 16 bits (garbage otherwise: not checked under jit), e.g.
+      from make_table or huffman.code_lengths.
     codes: uint32[256], the matching codes (huffman.canonical_codes).
     lane_symbols: symbols per independently decodable lane (static).
     capacity_words: size of the word buffer (static).
     packing: "segment_sum" or "cumsum" (static); the same words either way.
 
   Example:
-    >>> lengths, codes = make_table(gennorm.symbol_probabilities(fp.FP4, 1.0, 1.0, 0.65))
-    >>> enc = encode(symbols, lengths, codes, capacity_words=symbols.size // 8)
-    >>> decode(enc.words, enc.lane_bit_offsets, symbols.size, lengths, codes)  # == symbols
+    >>> lengths, codes = make_table(np.array([2, 1, 0, 1]), every_letter=False)  # 1, 2, -, 2 bits
+    >>> enc = encode(np.array([0, 0, 1, 3], np.uint8), lengths, codes, capacity_words=1)
+    >>> int(enc.total_bits), bool(enc.fits), hex(int(enc.words[0]))
+    (6, True, '0x2c000000')
   """
   n = _check_symbols(symbols)
   _check_table(code_lengths, codes)
@@ -145,16 +147,20 @@ def _take(table: jax.Array, index: jax.Array) -> jax.Array:
   return jnp.take(table, index, mode="clip")
 
 
-def _cumsum(x_N: jax.Array) -> jax.Array:
+def _cumsum(x_N: jax.Array, block: int = 32) -> jax.Array:
   """Inclusive cumulative sum, wrapping for unsigned x.
 
-  XLA:CPU runs jnp.cumsum as one long reduce_window, 3-5x slower on 4M elements than
-  associative_scan's log2(n) rounds of strided adds; XLA:GPU rewrites that reduce_window into
-  a blocked scan. Short arrays take jnp.cumsum, which compiles faster.
+  XLA:CPU runs a long jnp.cumsum as one reduce_window, 3-5x slower on 4M elements than
+  cumulative sums within blocks of 32 plus the (recursive) cumulative sum of the blocks'
+  totals; XLA:GPU rewrites that reduce_window into a blocked scan of its own.
   """
-  if jax.default_backend() == "cpu" and x_N.shape[0] > 1 << 16:
-    return jax.lax.associative_scan(jnp.add, x_N)
-  return jnp.cumsum(x_N, dtype=x_N.dtype)
+  n = x_N.shape[0]
+  if jax.default_backend() != "cpu" or n <= 4096:
+    return jnp.cumsum(x_N, dtype=x_N.dtype)
+  within_RxB = jnp.cumsum(jnp.pad(x_N, (0, -n % block)).reshape(-1, block), axis=1,
+                          dtype=x_N.dtype)
+  before_R = _cumsum(within_RxB[:, -1], block) - within_RxB[:, -1]
+  return (within_RxB + before_R[:, None]).reshape(-1)[:n]
 
 
 def _cumsum_pack(high_N: jax.Array, low_N: jax.Array, starts_N: jax.Array,
@@ -191,8 +197,10 @@ def decode(words: jax.Array, lane_bit_offsets: jax.Array, n: int, code_lengths: 
     unroll: lax.scan's unroll factor (static).
 
   Example:
-    >>> enc = encode(symbols, lengths, codes, capacity_words=4096)
-    >>> decode(enc.words, enc.lane_bit_offsets, symbols.size, lengths, codes)
+    >>> lengths, codes = make_table(np.array([2, 1, 0, 1]), every_letter=False)
+    >>> enc = encode(np.array([0, 0, 1, 3], np.uint8), lengths, codes, capacity_words=1)
+    >>> decode(enc.words, enc.lane_bit_offsets, 4, lengths, codes, max_code_length=2)
+    Array([0, 0, 1, 3], dtype=uint8)
   """
   _check_table(code_lengths, codes)
   _check_positive("lane_symbols", lane_symbols)
@@ -225,7 +233,9 @@ def _decode(words: jax.Array, lane_bit_offsets: jax.Array, n: int, code_lengths:
   drop = jnp.uint32(32 - max_code_length)
 
   def step(position_K, _):
-    word_K = position_K >> 5  # clipped by _take: only lanes past their end read past the words
+    # _take clips: a window may run past the last word, but only bits after the code it
+    # starts with (every extension of a code maps to that code), or in a lane past its end.
+    word_K = position_K >> 5
     offset_K = (position_K & 31).astype(jnp.uint32)
     head_K = _take(words, word_K) << offset_K
     tail_K = jnp.where(offset_K > 0, _take(words, word_K + 1) >> (32 - offset_K), 0)

@@ -74,6 +74,19 @@ def test_roundtrip_16_bit_codes_across_word_boundaries():
   assert _payload_bytes(enc) == huffman._write_bits(symbols, lengths, LANE)[0]
 
 
+def test_random_tables_match_the_host_payload():
+  rng = np.random.default_rng(5)
+  for max_code_length in (8, 11, 16):
+    letters = rng.choice(256, rng.integers(2, 257), replace=False)
+    weights = np.zeros(256)
+    weights[letters] = rng.pareto(0.7, letters.size) + 1e-3  # heavy tails: long codes
+    lengths, codes = hj.make_table(weights, max_code_length, every_letter=False)
+    symbols = rng.choice(256, N, p=weights / weights.sum()).astype(np.uint8)
+    decoded, enc = _roundtrip(symbols, lengths, codes, lane_symbols=LANE, capacity_words=CAPACITY)
+    np.testing.assert_array_equal(decoded, symbols)
+    assert _payload_bytes(enc) == huffman._write_bits(symbols, lengths, LANE)[0]
+
+
 def test_single_symbol_alphabet():
   symbols = np.full(N, 7, np.uint8)
   lengths, codes = hj.make_table(np.bincount(symbols, minlength=256), every_letter=False)
@@ -136,10 +149,13 @@ def test_symbol_without_code_is_reported():
   assert int(enc.total_bits) == -1 and not bool(enc.fits)
 
 
-def test_exact_multiple_of_a_lane_unrolled():
+def test_exact_multiple_of_a_lane_exact_capacity_unrolled():
   symbols, probabilities = _gennorm_fp4(1000, 1.0)
   lengths, codes = hj.make_table(probabilities)
-  enc = hj.encode(symbols, lengths, codes, lane_symbols=100, capacity_words=200)
+  bits = _bits(symbols, lengths)
+  assert bits % 32
+  enc = hj.encode(symbols, lengths, codes, lane_symbols=100, capacity_words=-(-bits // 32))
+  assert bool(enc.fits)
   decoded = hj.decode(enc.words, enc.lane_bit_offsets, 1000, lengths, codes, lane_symbols=100,
                       max_code_length=int(lengths.max()), unroll=8)
   np.testing.assert_array_equal(decoded, symbols)
