@@ -1,27 +1,27 @@
-"""CO3 experiment: GenNorm fits, Huffman bits, and loss against bits, fp4/fp8 against uncompressed.
+"""CO3 experiment: GenNorm fits, Huffman bits, loss against bits; fp4/fp8 against float32 SGD."""
 
-  python experiments/co3_experiment.py                 # default run (see docs/EXPERIMENTS_CO3.md)
-  python experiments/co3_experiment.py --quick --out /tmp/co3
-
-Two tasks, three methods each, every method on the same data, initialisation and worker split:
-  ts   the teacher-student Gaussian setting of the CO3 paper: x ~ N(0, I), labels the argmax of
-       a random tanh teacher (loco_jax.models.teacher_student_data), a ReLU MLP student trained
-       with plain SGD at a constant learning rate, as in the paper;
-  gpt  the demo's byte-level GPT (smaller) on the Python standard library sources, with the
-       demo's optimizer (adamw with warm-up).
-Methods: sgd (float32 average, `baselines.uncompressed`), co3-fp4 and co3-fp8 (`loco_jax.co3`,
-gamma 0.7, Huffman coding on). Workers are simulated CPU devices: the library's data-parallel
-train step (`parallel.make_train_step`) runs under `jax.shard_map`, so each worker codes its
-own gradient, the coded buffers are all-gathered and every worker decodes and averages them.
-
-Every `--record-every` steps, on worker 0's next local gradient g, per weight matrix: the fitted
-GenNorm beta and the W2 distances to the fitted Normal, Laplace and GenNorm (`gennorm.validate`)
-of all its values and of its non-zero values; for CO3 also the fit of a = g + gamma e (what CO3
-fits and quantizes), CO3's scale, and the model and empirical entropies of a's symbols. Every step: the train loss and
-the measured Huffman bits per parameter (`Co3State.coded_bits`, mean over workers).
-Outputs in --out: results.json, table.md, loss_vs_step.png, loss_vs_bits.png,
-beta_per_layer.png, w2.png.
-"""
+#   python experiments/co3_experiment.py                 # default run (see docs/EXPERIMENTS_CO3.md)
+#   python experiments/co3_experiment.py --quick --out /tmp/co3
+#
+# Two tasks, three methods each, every method on the same data, initialisation and worker split:
+#   ts   the teacher-student Gaussian setting of the CO3 paper: x ~ N(0, I), labels the argmax of
+#        a random tanh teacher (loco_jax.models.teacher_student_data), a ReLU MLP student trained
+#        with plain SGD at a constant learning rate, as in the paper;
+#   gpt  the demo's byte-level GPT (smaller) on the Python standard library sources, with the
+#        demo's optimizer (adamw with warm-up).
+# Methods: sgd (float32 average, `baselines.uncompressed`), co3-fp4 and co3-fp8 (`loco_jax.co3`,
+# gamma 0.7, Huffman coding on). Workers are simulated CPU devices: the library's data-parallel
+# train step (`parallel.make_train_step`) runs under `jax.shard_map`, so each worker codes its
+# own gradient, the coded buffers are all-gathered and every worker decodes and averages them.
+#
+# Every `--record-every` steps, on worker 0's next local gradient g, per weight matrix: the fitted
+# GenNorm beta and the W2 distances to the fitted Normal, Laplace and GenNorm (`gennorm.validate`)
+# of all its values and of its non-zero values; for CO3 also the fit of a = g + gamma e (what CO3
+# fits and quantizes), CO3's scale in use, and, at the scale CO3's rule gives for that fit, the
+# GenNorm model's entropy of a's symbols and their empirical entropy. Every step: the train loss
+# and the measured Huffman bits per parameter (`Co3State.coded_bits`, mean over workers).
+# Outputs in --out: results.json, table.md, loss_vs_step.png, loss_vs_bits.png,
+# beta_per_layer.png, w2.png.
 
 from __future__ import annotations
 
@@ -48,9 +48,11 @@ AXIS = "data"
 UNCOMPRESSED_BITS = 32.0
 RUN_KEYS = ("task", "method", "seed", "n_params", "steps", "workers", "final_train_loss",
             "eval_loss", "eval_accuracy", "bits_per_entry", "uplink_mbit_per_worker",
-            "overflows", "step_time_s", "compile_s", "losses", "bits", "records")
+            "wire_bits_per_entry", "overflows", "step_time_s", "compile_s", "losses", "bits",
+            "records")
 SUMMARY_KEYS = ("task", "method", "seeds", "final_train_loss", "eval_loss", "eval_accuracy",
-                "bits_per_entry", "compression", "uplink_mbit_per_worker", "eval_loss_vs_sgd",
+                "bits_per_entry", "compression", "uplink_mbit_per_worker",
+                "wire_bits_per_entry", "entropy_model_minus_empirical", "eval_loss_vs_sgd",
                 "accuracy_vs_sgd", "gennorm_best_fraction", "w2_gennorm_over_normal",
                 "w2_laplace_over_normal", "gennorm_best_fraction_all", "overflows")
 
@@ -225,7 +227,7 @@ def record(task: Task, method: str, config: Config, state: Any, batch: Any) -> d
   values CO3 itself fits and codes (with its scale, and the entropies of a's symbols)."""
   import jax
   from loco_jax import fp, gennorm, huffman
-  from loco_jax.co3 import FORMATS
+  from loco_jax.co3 import FORMATS, SATURATION_QUANTILE, fitted_scale
   shard = jax.tree.map(lambda x: x[: len(x) // config.workers], batch)
   grads = matrices(task.grad_fn(state.params, shard))
   cs = state.compressor_state
@@ -238,8 +240,7 @@ def record(task: Task, method: str, config: Config, state: Any, batch: Any) -> d
     entry = {"size": int(g.size), **_fits(g, config.validate_samples)}
     if is_co3:
       a = g.reshape(-1).astype(np.float32) + np.float32(config.gamma) * errors[name][: g.size]
-      scale = float(scales[name][0])
-      entry["scale"] = _finite(scale)
+      entry["scale"] = _finite(float(scales[name][0]))  # in use since CO3's last refit
       try:
         fit = gennorm.fit(a[:: max(1, a.size // config.validate_samples)])
       except ValueError:
@@ -247,6 +248,11 @@ def record(task: Task, method: str, config: Config, state: Any, batch: Any) -> d
       if fit:
         entry["compensated"] = {"beta": fit.beta, "alpha": fit.alpha,
                                 "zero_fraction": float(np.mean(a == 0))}
+        # CO3's rule for a fresh fit of a: the fitted scale, capped so that at most 1% saturate.
+        tail = float(np.quantile(np.abs(a), SATURATION_QUANTILE))
+        scale = min(fitted_scale(fmt, fit.beta, fit.alpha),
+                    fp.max_value(fmt) / tail if tail > 0 else math.inf)
+        entry["scale_fit"] = _finite(scale)
       if fit and math.isfinite(scale) and scale > 0:
         symbols = np.asarray(fp.encode(a, fmt, scale))
         entry["entropy_empirical"] = huffman.entropy_bits(symbols)
@@ -259,7 +265,7 @@ def train(task: Task, method: str, config: Config, seed: int, log: Callable[[str
   """Trains `task` with `method` averaging the workers' gradients; returns the run's record."""
   import jax
   import jax.numpy as jnp
-  from loco_jax import parallel
+  from loco_jax import comm, parallel
   from loco_jax.models import num_params
 
   mesh = parallel.data_mesh(config.workers, AXIS)
@@ -269,7 +275,15 @@ def train(task: Task, method: str, config: Config, seed: int, log: Callable[[str
   step = parallel.make_train_step(task.loss_fn, task.optimizer, mesh, specs, task.params,
                                   compressor=compressor)
   n_params = num_params(task.params)
-  losses, bits, records, times = [], [], [], []
+  # Lowered once: the collectives it runs (the library's HLO accounting), then compiled.
+  start = time.perf_counter()
+  lowered = step.jitted.lower(state, jax.tree.map(jnp.asarray, task.batch(0)))
+  found = comm.collectives(lowered.as_text(dialect="hlo"), config.workers)
+  compiled = lowered.compile()
+  compile_s = time.perf_counter() - start
+  wire_always = comm.wire_bits_per_param(found, n_params)
+  wire_overflow = comm.wire_bits_per_param(found, n_params, include_conditional=True) - wire_always
+  losses, bits, wire, records, times, overflows = [], [], [], [], [], 0
   for t in range(task.steps + 1):
     batch = task.batch(t)
     if t % config.record_every == 0 or t == task.steps:
@@ -279,16 +293,18 @@ def train(task: Task, method: str, config: Config, seed: int, log: Callable[[str
     if t == task.steps:
       break
     t0 = time.perf_counter()
-    state, loss = step(state, jax.tree.map(jnp.asarray, batch))
+    state, loss = compiled(state, jax.tree.map(jnp.asarray, batch))
     cs = state.compressor_state
     bits.append(float(np.mean(np.asarray(cs.coded_bits))) if hasattr(cs, "coded_bits")
                 else UNCOMPRESSED_BITS)
+    overflowed = int(cs.overflows) - overflows if hasattr(cs, "overflows") else 0
+    overflows += overflowed
+    wire.append(wire_always + overflowed * wire_overflow)
     losses.append(float(loss))
     times.append(time.perf_counter() - t0)
     if (t + 1) % max(task.steps // 4, 1) == 0:
       log(f"  {task.name} {method} seed {seed}: step {t + 1}/{task.steps} loss {losses[-1]:.4f} "
           f"bits {bits[-1]:.2f}")
-  cs = state.compressor_state
   tail = losses[-max(len(losses) // 10, 1):]
   return {
       "task": task.name, "method": method, "seed": seed, "n_params": n_params,
@@ -297,9 +313,10 @@ def train(task: Task, method: str, config: Config, seed: int, log: Callable[[str
       **{k: _finite(v) for k, v in task.evaluate(state.params, mesh).items()},
       "bits_per_entry": float(np.mean(bits)),
       "uplink_mbit_per_worker": float(np.sum(bits)) * n_params / 1e6,
-      "overflows": int(cs.overflows) if hasattr(cs, "overflows") else 0,
-      "step_time_s": float(np.median(times[1:] if len(times) > 1 else times)),
-      "compile_s": times[0],
+      "wire_bits_per_entry": float(np.mean(wire)),
+      "overflows": overflows,
+      "step_time_s": float(np.median(times)),
+      "compile_s": compile_s,
       "losses": [_finite(x) for x in losses], "bits": bits, "records": records,
   }
 
@@ -324,6 +341,17 @@ def w2_stats(run: dict, which: str = "nonzero") -> dict:
           "w2_gennorm_over_normal": median(g_over_n), "w2_laplace_over_normal": median(l_over_n)}
 
 
+def entropy_gap(run: dict) -> float | None:
+  """Median over (record, matrix) of CO3's symbols: the GenNorm model's entropy (fitted beta,
+  alpha and CO3's scale) minus the empirical entropy, in bits per entry (where beta >= 0.35,
+  the range CO3's scale rule is fitted for)."""
+  gaps = [layer["entropy_model"] - layer["entropy_empirical"]
+          for rec in run["records"] for layer in rec["layers"].values()
+          if layer.get("entropy_model") is not None and "entropy_empirical" in layer
+          and layer["compensated"]["beta"] >= 0.35]
+  return float(np.median(gaps)) if gaps else None
+
+
 def _mean(values: Sequence[Any]) -> float | None:
   v = [x for x in values if x is not None and math.isfinite(x)]
   return float(np.mean(v)) if v else None
@@ -339,7 +367,7 @@ def summarize(runs: Sequence[dict]) -> list[dict]:
         continue
       row = {"task": task, "method": method, "seeds": [r["seed"] for r in chosen]}
       for key in ("final_train_loss", "eval_loss", "eval_accuracy", "bits_per_entry",
-                  "uplink_mbit_per_worker"):
+                  "uplink_mbit_per_worker", "wire_bits_per_entry"):
         row[key] = _mean([r[key] for r in chosen])
       row["compression"] = UNCOMPRESSED_BITS / row["bits_per_entry"]
       stats = [w2_stats(r) for r in chosen]
@@ -347,6 +375,7 @@ def summarize(runs: Sequence[dict]) -> list[dict]:
         row[key] = _mean([s[key] for s in stats])
       row["gennorm_best_fraction_all"] = _mean([w2_stats(r, "all")["gennorm_best_fraction"]
                                                 for r in chosen])
+      row["entropy_model_minus_empirical"] = _mean([entropy_gap(r) for r in chosen])
       row["overflows"] = int(sum(r["overflows"] for r in chosen))
       rows.append(row)
   for row in rows:
@@ -391,19 +420,26 @@ def _fmt(v: Any, spec: str, none: str = "-") -> str:
 def format_tables(summary: Sequence[dict], betas: Sequence[dict]) -> str:
   """The markdown tables: methods (loss, accuracy, bits), and GenNorm fits per layer."""
   lines = ["| task | method | final train loss | eval loss | vs sgd | eval acc | vs sgd (pts) | "
-           "bits/entry | compression | uplink Mbit/worker | GenNorm best W2 (non-zero / all) | "
-           "overflows |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "bits/entry | compression | uplink Mbit/worker | wire bits/entry | GenNorm best W2 "
+           "(non-zero / all) | H model - H symbols | overflow steps |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in summary:
     lines.append(
         f"| {r['task']} | {r['method']} | {_fmt(r['final_train_loss'], '.4f')} | "
         f"{_fmt(r['eval_loss'], '.4f')} | {_fmt(r['eval_loss_vs_sgd'], '+.2f')}% | "
         f"{_fmt(r['eval_accuracy'], '.4f')} | {_fmt(r['accuracy_vs_sgd'], '+.2f')} | "
         f"{r['bits_per_entry']:.3f} | {r['compression']:.1f}x | "
-        f"{r['uplink_mbit_per_worker']:.1f} | {_fmt(r['gennorm_best_fraction'], '.0%')} / "
+        f"{r['uplink_mbit_per_worker']:.1f} | {r['wire_bits_per_entry']:.2f} | "
+        f"{_fmt(r['gennorm_best_fraction'], '.0%')} / "
         f"{_fmt(r['gennorm_best_fraction_all'], '.0%')} | "
-        f"{r['overflows']} |")
+        f"{_fmt(r['entropy_model_minus_empirical'], '+.3f')} | {r['overflows']} |")
   lines += ["", "bits/entry: measured Huffman bits per parameter of one worker's upload, mean "
-            "over steps and workers (sgd: float32). GenNorm best W2: share of (record, matrix) "
+            "over steps and workers (sgd: float32); uplink: their sum over the run. wire "
+            "bits/entry: what one worker sends per parameter and step in this implementation's "
+            "collectives, from the step's HLO (ring all-reduce 2(n-1)/n; CO3's fixed-capacity "
+            "coded buffer, plus the raw symbols on an overflow step). H model - H symbols: "
+            "median entropy of the fitted GenNorm's symbols minus the empirical entropy of CO3's "
+            "symbols (matrices with beta >= 0.35). GenNorm best W2: share of (record, matrix) "
             "pairs of worker 0's gradient where the fitted GenNorm is closer in W2 than the "
             "fitted Normal and Laplace, fitting the non-zero values / all values (exact zeros "
             "drive the GenNorm fit to its floor beta = 0.05).", "",
@@ -471,7 +507,7 @@ def plot(runs: Sequence[dict], out: Path) -> list[str]:
           cumulative = np.cumsum(r["bits"]) * r["n_params"]
           ax.plot(cumulative[x - 1], s, label=f"{r['method']} ({r['bits_per_entry']:.2f} b/entry)")
           ax.set_xscale("log")
-          ax.set_xlabel("cumulative uplink bits per worker")
+          ax.set_xlabel("cumulative Huffman-coded uplink bits per worker")
         else:
           ax.plot(x, s, label=f"{r['method']} (eval {r['eval_loss']:.3f})")
           ax.set_xlabel("step")
@@ -495,11 +531,12 @@ def plot(runs: Sequence[dict], out: Path) -> list[str]:
       run = next((r for r in runs if r["task"] == task and r["method"] == method), None)
       if run is None:
         continue
-      for name in run["records"][0]["layers"]:
+      colors = plt.get_cmap("tab20").colors
+      for k, name in enumerate(run["records"][0]["layers"]):
         recs = [rec for rec in run["records"] if rec["layers"][name]["nonzero"]]
         steps = [rec["step"] for rec in recs]
         betas = [rec["layers"][name]["nonzero"]["beta"] for rec in recs]
-        ax.plot(steps, betas, marker=".", label=name)
+        ax.plot(steps, betas, marker=".", label=name, color=colors[k % len(colors)])
       ax.axhline(2.0, color="k", lw=0.6, ls=":")
       ax.axhline(1.0, color="k", lw=0.6, ls="--")
       ax.set_title(f"{task} {method}: GenNorm beta of g (non-zero values)", fontsize=9)
@@ -538,8 +575,7 @@ def plot(runs: Sequence[dict], out: Path) -> list[str]:
 # --- Command line ---------------------------------------------------------------------------------
 
 def parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = argparse.ArgumentParser(description=__doc__)
   p.add_argument("--steps", type=int, default=None,
                  help=f"teacher-student steps (default {Config.steps}; --quick {QUICK['steps']})")
   p.add_argument("--gpt-steps", type=int, default=None,
@@ -588,7 +624,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"co3_experiment: error: {e}", file=sys.stderr)
     return 2
   from loco_jax import demo
-  demo.setup_devices(config.workers)  # jax_num_cpu_devices, before any device is used
+  try:
+    demo.setup_devices(config.workers)  # jax_num_cpu_devices, before any device is used
+  except ValueError as e:
+    print(f"co3_experiment: error: {e}", file=sys.stderr)
+    return 2
   import jax
 
   out = Path(args.out or Path("runs") / f"co3-{datetime.datetime.now():%Y%m%d-%H%M%S}")

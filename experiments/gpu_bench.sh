@@ -10,6 +10,7 @@
 #    optax.adamw and a device copy, the Pallas tile sweep, wire bits (8 host CPUs, HLO), the
 #    Huffman codec against zlib/zstd (host), and the cost model. The table is printed and also
 #    kept in runs/bench-gpu.md, the check in runs/check-kernels-gpu.md.
+# 3. experiments/codec_device_bench.py: the jnp Huffman codec against the host one.
 # Exits non-zero if a step fails or a check does not pass (after running both).
 # Environment: PYTHON (default python3), BENCH_ARGS (extra bench arguments, e.g. --quick),
 # REQUIRE_GPU=0 to let it run on another backend (a dry run of the script itself).
@@ -35,13 +36,13 @@ fi
 
 status=0
 echo
-echo "== 1/2 kernel checks"
+echo "== 1/3 kernel checks"
 timeout 120 "$PY" -m loco_jax bench --check-kernels | tee runs/check-kernels-gpu.md
 check=$?
 [ "$check" -ne 0 ] && { echo "gpu_bench: kernel checks failed (status $check)" >&2; status=1; }
 
 echo
-echo "== 2/2 benchmark"
+echo "== 2/3 benchmark"
 # shellcheck disable=SC2086  # BENCH_ARGS is a list of words on purpose
 timeout 240 "$PY" -m loco_jax bench --json runs/bench-gpu.json ${BENCH_ARGS:-} \
   | tee runs/bench-gpu.md
@@ -49,6 +50,12 @@ bench=$?
 [ "$bench" -ne 0 ] && { echo "gpu_bench: benchmark failed (status $bench)" >&2; status=1; }
 [ -s runs/bench-gpu.json ] || { echo "gpu_bench: runs/bench-gpu.json was not written" >&2;
                                 status=1; }
+
+echo
+echo "== 3/3 Huffman codec on the device (jnp lanes) against the host codec"
+timeout 120 "$PY" experiments/codec_device_bench.py | tee runs/codec-device-gpu.md
+codec=$?
+[ "$codec" -ne 0 ] && { echo "gpu_bench: codec bench failed (status $codec)" >&2; status=1; }
 
 echo
 [ "$status" -eq 0 ] && echo "gpu_bench: done; records in runs/bench-gpu.json" \

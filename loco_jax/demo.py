@@ -429,23 +429,40 @@ def plot_curves(path: Path, results: Sequence[MethodResult], title: str = "") ->
     import matplotlib.pyplot as plt
   except ImportError:
     return False
-  fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
+  base = next((np.asarray(r.losses) for r in results if r.method == "none"), None)
+  fig, axes = plt.subplots(1, 2 if base is not None else 1, figsize=(12, 4.8), dpi=100,
+                           squeeze=False)
+  ax, diff = axes[0][0], (axes[0][1] if base is not None else None)
   for r in results:
     y = np.asarray(r.losses)
     k = max(len(y) // 25, 1)  # moving average over ~4% of the run
-    smooth = np.convolve(y, np.ones(k) / k, mode="valid")
-    line, = ax.plot(np.arange(k, len(y) + 1), smooth, lw=1.6,
+    smooth = lambda v: np.convolve(v, np.ones(k) / k, mode="valid")
+    line, = ax.plot(np.arange(k, len(y) + 1), smooth(y), lw=1.6,
                     label=f"{r.method} (eval {r.eval_loss:.3f}, {r.wire_bits_per_param:.0f} b/p)")
     ax.plot(np.arange(1, len(y) + 1), y, lw=0.5, alpha=0.25, color=line.get_color())
+    if diff is not None and len(y) == len(base):
+      diff.plot(np.arange(k, len(y) + 1), smooth(y - base), lw=1.4, color=line.get_color(),
+                label=r.method)
   finite = [v for r in results for v in r.losses[len(r.losses) // 5:] if math.isfinite(v)]
   if finite:
     lo, hi = min(finite), max(finite)
     ax.set_ylim(lo - 0.05 * (hi - lo), hi + 0.3 * (hi - lo))
   ax.set_xlabel("step")
   ax.set_ylabel("train loss (nats / byte)")
-  ax.set_title(title or "loco-jax demo: train loss per method")
+  ax.set_title(title or "loco-jax demo: train loss per method", fontsize=10)
   ax.grid(alpha=0.3)
   ax.legend(fontsize=8)
+  if diff is not None:
+    gaps = [v for r in results if len(r.losses) == len(base)
+            for v in (np.asarray(r.losses) - base)[len(base) // 5:] if math.isfinite(v)]
+    if gaps:
+      spread = max(np.percentile(np.abs(gaps), 98), 1e-3)
+      diff.set_ylim(-spread, spread)
+    diff.axhline(0, color="k", lw=0.6)
+    diff.set_xlabel("step")
+    diff.set_ylabel("train loss minus none's (same batches)")
+    diff.set_title("the cost of compression (below 0: better than fp32)", fontsize=10)
+    diff.grid(alpha=0.3)
   fig.tight_layout()
   fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".png")
   os.close(fd)

@@ -36,7 +36,7 @@ import loco_jax
 from loco_jax import baselines, comm, parallel
 from loco_jax.models import mlp
 
-STEPS = 150
+STEPS = 120
 print(jax.devices())"""),
     ("md", """## 1. One device: chain it in front of any optimizer
 
@@ -79,7 +79,7 @@ parts add up like a random walk; LoCo keeps an (8-bit, averaged) record of them 
 so the total of what was lost, sum_k (g_k - d_k), stays bounded (it equals
 (e_K - e_0) / (1 - beta) up to the int8 rounding). Below, gradients drawn at random each step
 with a small mean, compressed locally."""),
-    ("code", """def drift(front, steps=300, size=4096):
+    ("code", """def drift(front, steps=200, size=4096):
   state = front.init(jnp.zeros(size))
   update = jax.jit(front.update)
   total, norms = jnp.zeros(size), []

@@ -126,3 +126,14 @@ def test_wire_bytes_coded_and_raw():
   assert default_capacity_bits(fp.FP4) < per_device_bits < default_capacity_bits(fp.FP4) + 0.5
   assert comm.wire_bits_per_param(found, n_params) < comm.wire_bits_per_param(
       found, n_params, include_conditional=True)
+
+
+def test_exact_zeros_do_not_drag_the_fit():
+  rng = np.random.default_rng(3)
+  x = gennorm.sample(rng, 1.0, 1e-3, (20_000,)).astype(np.float32)
+  x[: 5_000] = 0.0  # dead units
+  opt = co3("fp4")
+  _, state = jax.jit(opt.update)({"w": jnp.asarray(x)}, opt.init({"w": jnp.zeros(x.size)}))
+  fit = gennorm.fit(x[x != 0])
+  assert float(state.scale["w"][0]) == pytest.approx(gennorm.fp4_scale(fit.beta, fit.alpha),
+                                                     rel=0.02)

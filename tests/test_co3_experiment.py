@@ -5,6 +5,7 @@ import importlib.util
 import io
 import json
 import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,8 +14,12 @@ SCRIPT = Path(__file__).resolve().parents[1] / "experiments" / "co3_experiment.p
 
 
 def _load():
+  """The script as a module (registered in sys.modules, which its dataclass needs)."""
+  if "co3_experiment" in sys.modules:
+    return sys.modules["co3_experiment"]
   spec = importlib.util.spec_from_file_location("co3_experiment", SCRIPT)
   module = importlib.util.module_from_spec(spec)
+  sys.modules["co3_experiment"] = module
   spec.loader.exec_module(module)
   return module
 
@@ -77,6 +82,10 @@ def test_results_keys_and_values(quick_run):
   fp4, fp8 = by_method["co3-fp4"]["bits_per_entry"], by_method["co3-fp8"]["bits_per_entry"]
   assert 0.5 < fp4 < 4.5 and fp4 < fp8 < 8.5
   assert by_method["co3-fp4"]["compression"] == pytest.approx(32 / fp4)
+  # float32 ring all-reduce on 2 workers: 2 (n - 1) / n * 32 = 32 bits, plus the scalar loss.
+  assert by_method["sgd"]["wire_bits_per_entry"] == pytest.approx(32.0, abs=0.1)
+  for method in ("co3-fp4", "co3-fp8"):
+    assert 0 < by_method[method]["wire_bits_per_entry"] < 32
   # Same data, same start: compression costs little in 30 steps of SGD.
   assert abs(by_method["co3-fp8"]["eval_loss_vs_sgd"]) < 5
   assert abs(by_method["co3-fp4"]["eval_loss_vs_sgd"]) < 10
