@@ -176,11 +176,12 @@ def result_record(result, config, **extra: Any) -> dict:
   import dataclasses
   record = {k: (finite_or_none(v) if isinstance(v, float) else v)
             for k, v in result.as_json().items()}
+  stride = max(len(result.losses) // 100, 1)
   record.update(compile_s=result.compile_s,
                 state_bytes_per_device=result.state_bytes_per_device,
                 diverged=not math.isfinite(result.final_loss) or not math.isfinite(
                     result.eval_loss),
-                losses=[finite_or_none(x) for x in result.losses[:: max(len(result.losses) // 100, 1)]],
+                losses=[finite_or_none(x) for x in result.losses[::stride]],
                 config=dataclasses.asdict(config), **extra)
   return record
 

@@ -110,12 +110,18 @@ def _code(symbols: np.ndarray, capacity: int, pairs: bool) -> tuple[np.ndarray, 
   return buffer, np.int32(len(data))
 
 
+@functools.lru_cache(maxsize=16)  # a step's streams on one host; each entry is one decoded upload
+def _decode_once(data: bytes, total: int) -> np.ndarray:
+  # Devices that share a host all decode the same peers' streams: decode each stream once.
+  return huffman.decode(data, max_symbols=total)
+
+
 def _decode_all(buffers: np.ndarray, lengths: np.ndarray, total: int) -> np.ndarray:
   """Host side: decodes every device's buffer (untrusted input: huffman.decode checks it)."""
   out = np.zeros((buffers.shape[0], total), np.uint8)
   for d in range(buffers.shape[0]):
     if lengths[d] <= buffers.shape[1]:  # an overflowed device's symbols come another way
-      out[d] = huffman.decode(buffers[d, :lengths[d]].tobytes(), max_symbols=total)
+      out[d] = _decode_once(buffers[d, :lengths[d]].tobytes(), total)
   return out
 
 

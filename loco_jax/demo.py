@@ -1,4 +1,4 @@
-"""`loco-jax demo`: a small byte-level GPT trained data-parallel on simulated CPU devices, per method."""
+"""`loco-jax demo`: a small byte-level GPT trained on simulated CPU devices, once per method."""
 
 from __future__ import annotations
 
@@ -41,10 +41,10 @@ class DemoConfig:
   devices: int = 8
   batch_per_device: int = 8
   seq_len: int = 64
-  d_model: int = 96
+  d_model: int = 64
   n_layers: int = 2
   n_heads: int = 4
-  d_ff: int = 384
+  d_ff: int = 256
   lr: float = 2e-3
   warmup: int = 20
   seed: int = 0

@@ -127,9 +127,9 @@ for name, compressor in compressors.items():
 
 state = runs["LoCo 4-bit"][0]
 error = state.compressor_state.error["layers"][0]["kernel"]
+per_device = error.reshape(8, -1)
 print("LoCo error of one leaf, global shape (8 devices x size):", error.shape, error.dtype,
-      "| device 0 and 1 differ:", bool(jnp.any(error[: error.shape[0] // 8] !=
-                                               error[error.shape[0] // 8: error.shape[0] // 4])))"""),
+      "| devices 0 and 1 differ:", bool(jnp.any(per_device[0] != per_device[1])))"""),
     ("code", """plt.figure(figsize=(6, 3.5))
 for name, (_, _, losses) in runs.items():
   plt.plot(np.convolve(losses, np.ones(10) / 10, "valid"), label=name)
@@ -153,10 +153,11 @@ for name, (state, step) in rows.items():
   big = [f"{c.op} {c.dtype} {8 * c.nbytes / n_params:.2f}" for c in found if c.nbytes > 64]
   print(f"{name:>30} | {'; '.join(big[:3])}{' ...' if len(big) > 3 else ''} | "
         f"{comm.wire_bits_per_param(found, n_params):.2f}")"""),
-    ("md", """The float32 all-reduce sends 2 x 7/8 x 32 = 56 bits a parameter; LoCo sends 7/8 x (4.02 + 16)
-= 17.5 plus padding: every leaf is cut into 8 shards of a multiple of 8 values, which weighs on
-this 1,348-parameter MLP (5.1 instead of 4.02 gradient bits) and vanishes on real models (the
-demo's GPT: 4.02). The quantized gather brings the total to about 7/8 x 8.
+    ("md", """The float32 all-reduce sends 2 x 7/8 x 32 = 56 bits a parameter; LoCo sends
+7/8 x (4.02 + 16) = 17.5 plus padding: every leaf is cut into 8 shards of a multiple of 8
+values, which weighs on this 1,348-parameter MLP (5.1 instead of 4.02 gradient bits) and
+vanishes on real models (the demo's GPT: 4.06). The quantized gather brings the total to about
+7/8 x 8.
 Next: `python -m loco_jax demo` trains a small GPT this way with every method, and
 `02_gradient_statistics_and_codec.ipynb` looks at CO3's small floats and Huffman coding."""),
 ]
@@ -211,11 +212,12 @@ wins = sum(r["w2_gennorm"] <= min(r["w2_normal"], r["w2_laplace"]) * 1.0001
            for r in report.values())
 print(f"GenNorm fits best (or ties) on {wins} of {len(report)} leaves; "
       f"median beta {np.median([r['beta'] for r in report.values()]):.2f}")"""),
-    ("md", """Weight matrices sit between Laplace (beta 1) and normal (beta 2), as CO3 reports. Three kinds
-of leaf do not fit at all: the qkv bias (its key third has exactly zero gradient: a bias on every
-key shifts all scores of a query equally, which softmax ignores) and the token embedding (bytes
-absent from the batch get no gradient) are a point mass at zero plus a spread, which drives the
-fitted beta to its floor 0.05; LayerNorm and bias leaves are too small to say much. A fitted
+    ("md", """Weight matrices sit between Laplace (beta 1) and normal (beta 2), as CO3 reports.
+Three kinds of leaf do not fit at all: the qkv bias (its key third has exactly zero gradient:
+a bias on every key shifts all scores of a query equally, which softmax ignores) and the token
+embedding (bytes absent from the batch get no gradient) are a point mass at zero plus a spread,
+which drives the fitted beta to its floor 0.05; LayerNorm and bias leaves are too small to say
+much. A fitted
 scale is only as good as the fit, so CO3's scale rule is meant for the big matrices."""),
     ("code", """leaf = np.asarray(grads["blocks"][0]["fc1"]["kernel"]).ravel()
 fit = gennorm.fit(leaf)
@@ -233,9 +235,9 @@ plt.yscale("log"); plt.ylim(bottom=pdf(grid, fit.beta, fit.alpha).min() / 10)
 plt.legend(fontsize=8); plt.title("one layer's gradient, log density"); plt.show()"""),
     ("md", """## Small floats: fp4 [1,2,1] at the fitted scale
 
-fp4 has levels {0, ±0.5, ±1, ±1.5, ±2, ±3}. CO3 scales x by s = p(beta) / alpha before rounding;
-p is a polynomial fit of the MSE-optimal scale for unit GenNorm data. Check it against a scan of
-scales on this leaf."""),
+fp4 has levels {0, ±0.5, ±1, ±1.5, ±2, ±3}. CO3 scales x by s = p(beta) / alpha before
+rounding; p is a polynomial fit of the MSE-optimal scale for unit GenNorm data. Check it
+against a scan of scales on this leaf."""),
     ("code", """print("fp4 levels:", fp.levels(fp.FP4))
 fitted = gennorm.fp4_scale(fit.beta, fit.alpha)
 scales = fitted * np.geomspace(0.1, 10, 41)
