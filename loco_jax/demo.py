@@ -224,7 +224,7 @@ def gradient_collectives(found: Sequence[Any]) -> list[Any]:
   pytree is one all-reduce a leaf); for a method that only gathers (top-k, CO3's server
   average), its all-gathers.
   """
-  big = [c for c in found if c.nbytes > _SCALAR_BYTES]
+  big = [c for c in found if c.nbytes > _SCALAR_BYTES and not c.conditional]
   for ops in (("all-to-all", "all-reduce", "reduce-scatter"), ("all-gather",)):
     chosen = [c for c in big if c.op in ops]
     if chosen:
