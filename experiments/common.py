@@ -30,11 +30,14 @@ VARIANT_HELP = """Method variants (names used by compare.py and sweep.py):
 def setup(devices: int, platform: str = "cpu", cache_dir: str | None = None) -> None:
   """Device count and platform before jax starts, and an optional persistent compile cache
   (identical steps, e.g. other seeds, then compile once)."""
-  os.environ.setdefault("JAX_PLATFORMS", platform)
+  if platform != "gpu":  # JAX_PLATFORMS=gpu also asks for ROCm, which a CUDA jax refuses
+    os.environ.setdefault("JAX_PLATFORMS", platform)
   import jax
   from loco_jax import demo
   if platform == "cpu":
     demo.setup_devices(devices, platform=None)
+  elif jax.default_backend() != platform:
+    raise SystemExit(f"--platform {platform}: jax runs on {jax.default_backend()} here")
   elif jax.device_count() < devices:
     raise SystemExit(f"--devices {devices}: only {jax.device_count()} {platform} devices")
   if cache_dir:

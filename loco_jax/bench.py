@@ -33,7 +33,7 @@ COST_GBPS = (25, 100, 400)
 BASELINES = ("uncompressed", "bf16", "int_quantized", "error_feedback", "ef21", "sign_ef",
              "topk_ef")
 # Pallas tile configurations (scale blocks per program, warps) tried on GPU; the best is kept.
-GPU_SWEEP = ((1, 4), (2, 4), (4, 4), (4, 8), (8, 8), (16, 8))
+GPU_SWEEP = ((1, 2), (1, 4), (1, 8), (2, 4))
 
 
 class Record(NamedTuple):
@@ -433,11 +433,16 @@ def check_kernels(backend: str) -> list[tuple[str, bool, str]]:
   values = np.where(scales[..., None] > 0, codes.astype(np.float32) * step_size[..., None],
                     np.float32(0)).astype(np.float32)
   want = values.mean(axis=0).reshape(-1)
+  # XLA:GPU's 1 / s is rcp.approx.f32 (see kernels._triton_ops): there the mean is checked to
+  # a few ulp of the mean of |values| (the sum may cancel); elsewhere bit for bit.
+  tolerance = 4 * np.finfo(np.float32).eps if backend == "gpu" else 0.0
   for implementation in ("jnp", "auto"):
     got = np.asarray(jax.jit(functools.partial(kernels.dequantize_mean,
                                                implementation=implementation))(received, scales))
-    checks.append((f"dequantize_mean_equals_numpy/{implementation}", np.array_equal(got, want),
-                   f"{int(np.sum(got != want))}/{want.size} elements differ"))
+    worst = float(np.max(np.abs(got - want) / np.maximum(np.abs(values).mean(0).reshape(-1), 1e-30)))
+    checks.append((f"dequantize_mean_matches_numpy/{implementation}", worst <= tolerance,
+                   f"{int(np.sum(got != want))}/{want.size} elements differ, max diff "
+                   f"{worst:.2g} of mean |value| (allowed {tolerance:.2g})"))
   return checks
 
 

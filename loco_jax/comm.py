@@ -91,9 +91,11 @@ def _from_bytes(b: jax.Array, dtype, shape: tuple[int, ...]) -> jax.Array:
 
 
 class Payload(NamedTuple):
-  """One leaf's compressed rows: int codes [rows, blocks, block_len], scales [rows, blocks] or None."""
+  """One leaf's compressed rows: int codes [rows, blocks, block_len] (or, with `packed`, their
+  uint8 `quant.pack` bytes [rows, blocks, block_len * bits / 8]), scales [rows, blocks] or None."""
   codes: jax.Array
   scales: jax.Array | None
+  packed: bool = False
 
 
 def _frame(parts: Sequence[jax.Array]) -> tuple[jax.Array, list[tuple[int, int]]]:
@@ -109,7 +111,7 @@ def encode_rows(payloads: Sequence[Payload], bits: int, flag: jax.Array) -> tupl
   """Packs every leaf's codes (and scales) plus a float32 flag into one [rows, nbytes] uint8 buffer."""
   parts = []
   for p in payloads:
-    parts.append(_bytes(quant.pack(p.codes, bits)))
+    parts.append(_bytes(p.codes if p.packed else quant.pack(p.codes, bits)))
     if p.scales is not None:
       parts.append(_bytes(p.scales))
   rows = parts[0].shape[0] if parts else 1

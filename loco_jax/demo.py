@@ -37,7 +37,7 @@ _SCALAR_BYTES = 64  # collectives this small carry a loss or a finiteness flag, 
 @dataclasses.dataclass(frozen=True)
 class DemoConfig:
   """Everything that fixes a demo run; the defaults are the zero-configuration demo."""
-  steps: int = 400
+  steps: int = 300
   devices: int = 8
   batch_per_device: int = 8
   seq_len: int = 64

@@ -8,7 +8,7 @@ import optax
 
 from loco_jax import comm
 from loco_jax.loco import (_check_args, _compressible, _feedback_step, _is_due, _keep_if,
-                           _nonfinite_flag)
+                           _nonfinite_flag, _probe_kernel)
 
 INTRA_MODES = ("reduce_scatter", "loco")
 
@@ -54,6 +54,7 @@ def two_hop(
     >>> opt = optax.chain(two_hop("node", "local"), optax.adamw(3e-4))
   """
   _check_args(bits, scale, error_bits, error_scale, beta, reset_interval, block_size, "bf16")
+  _probe_kernel(bits, scale, error_bits, error_scale, beta, block_size)
   if intra not in INTRA_MODES:
     raise ValueError(f"intra must be one of {INTRA_MODES}, got {intra!r}")
   if node_axis == local_axis:

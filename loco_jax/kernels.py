@@ -17,8 +17,10 @@ except ImportError:  # pragma: no cover - a jax without Pallas runs the jnp path
 IMPLEMENTATIONS = ("auto", "jnp", "pallas")
 # Pallas tiles: scale blocks per program instance (each tile row is one whole scale block, so
 # the absmax never crosses program instances) and Triton warps per instance.
-TILE_BLOCKS = {"gpu": 4, "tpu": 32, "cpu": 8}
-NUM_WARPS = 8
+# On an H200 one block of 2048 with 4 warps ran fastest (2**28 values: 0.75 ms; 2 blocks 0.79;
+# 4 blocks with 8 warps 3.8 ms on 2**30 against 3.3 for one block; experiments/gpu_kernel_probe).
+TILE_BLOCKS = {"gpu": 1, "tpu": 32, "cpu": 8}
+NUM_WARPS = 4
 # The jnp path on CPU works through this many scale blocks at a time (see `_compress_jnp`):
 # 2**24 values on 2 EPYC cores took 0.74x adamw's time untiled, 0.50x by 32 blocks, 0.31-0.37x
 # by 256-512 blocks (per-tile overheads fall; 7-14 MiB of temporaries still sit in L3).
@@ -44,23 +46,27 @@ class Compressed(NamedTuple):
 # test exposes the product to the add), so two programs with the same math differ in the last
 # bit. `_sealed` puts a per-element select between such a product and its add: no rewrite that
 # keeps IEEE semantics (no nsz/nnan flags) can fuse them, so the result is the exactly rounded
-# one whatever the program around it. On Triton every operation is also explicit `.rn` PTX.
+# one whatever the program around it. On Triton every operation is explicit PTX: `.rn`
+# multiplies and adds, and XLA:GPU's own (not correctly rounded) division and reciprocal.
 
 
 class _Ops(NamedTuple):
-  """Elementwise float32 arithmetic: correctly rounded, never contracted."""
+  """Elementwise float32 arithmetic, never contracted, rounded as XLA rounds on the backend."""
   mul: Callable
   add: Callable
   div: Callable
+  reciprocal: Callable
   round: Callable   # round half to even, to an integer-valued float
 
 
-_XLA_OPS = _Ops(jnp.multiply, jnp.add, jnp.divide, jnp.round)
+_XLA_OPS = _Ops(jnp.multiply, jnp.add, jnp.divide, lambda x: 1.0 / x, jnp.round)
 
 
 def _triton_ops() -> _Ops:
-  """PTX with explicit rounding: `.rn` arithmetic is never contracted, and Triton's own `/`
-  is div.full.f32 (about 2 ulp), not IEEE division."""
+  """PTX that rounds as XLA:GPU does. Its division is not IEEE: measured on an H200 (jax 0.11.2,
+  experiments/gpu_kernel_probe.py), a / b matched div.full.f32 and 1 / x rcp.approx.f32, 29%
+  and 14% of random quotients differing from the correctly rounded ones; its multiplies and
+  adds were `.rn` and never contracted. `.rn` arithmetic is never contracted by ptxas."""
   from jax.experimental.pallas import triton as pltriton
 
   def asm(code: str, *args):
@@ -71,7 +77,8 @@ def _triton_ops() -> _Ops:
 
   return _Ops(mul=lambda a, b: asm("mul.rn.f32 $0, $1, $2;", a, b),
               add=lambda a, b: asm("add.rn.f32 $0, $1, $2;", a, b),
-              div=lambda a, b: asm("div.rn.f32 $0, $1, $2;", a, b),
+              div=lambda a, b: asm("div.full.f32 $0, $1, $2;", a, b),
+              reciprocal=lambda x: asm("rcp.approx.f32 $0, $1;", x),
               round=lambda a: asm("cvt.rni.f32.f32 $0, $1;", a))
 
 
@@ -90,7 +97,7 @@ def _absmax_scale(absmax: jax.Array, bits: int, ops: _Ops) -> jax.Array:
 
 def _reciprocal(scale: jax.Array, ops: _Ops) -> jax.Array:
   """1 / scale where scale > 0: quant.decompress's q / s is computed (by XLA) as q * (1 / s)."""
-  return ops.div(jnp.ones_like(scale), jnp.where(scale > 0, scale, 1.0))
+  return ops.reciprocal(jnp.where(scale > 0, scale, 1.0))
 
 
 def _quantize(x: jax.Array, scale: jax.Array, bits: int, ops: _Ops) -> jax.Array:
@@ -269,6 +276,20 @@ def _tile(blocks: int, tile_blocks: int) -> int:
   return tile
 
 
+def _same_varying_axes(*inputs: jax.Array) -> list[jax.Array]:
+  """The inputs, each cast to vary over every jax.shard_map axis that any of them varies over:
+  a pallas_call under shard_map takes inputs and outputs of one kind (none outside shard_map)."""
+  axes = frozenset().union(*[jax.typeof(x).manual_axis_type.varying for x in inputs])
+  return [x if jax.typeof(x).manual_axis_type.varying == axes else
+          jax.lax.pcast(x, tuple(axes - jax.typeof(x).manual_axis_type.varying), to="varying")
+          for x in inputs]
+
+
+def _out_shape(shape: tuple, dtype, like: jax.Array) -> jax.ShapeDtypeStruct:
+  """A Pallas output that varies over the same jax.shard_map axes as `like` (an input)."""
+  return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.typeof(like).manual_axis_type)
+
+
 def _compress_pallas(g_BxL, error_BxL, error_scale_B, bits, error_bits, beta, with_decompressed,
                      backend, interpret, tile_blocks, num_warps):
   blocks, block_size = g_BxL.shape
@@ -276,6 +297,7 @@ def _compress_pallas(g_BxL, error_BxL, error_scale_B, bits, error_bits, beta, wi
                                                          num_warps)
   tile = _tile(blocks, tile_blocks)
   nbytes = block_size * bits // 8
+  g_BxL, error_BxL, error_scale_B = _same_varying_axes(g_BxL, error_BxL, error_scale_B)
   rows = lambda width: pl.BlockSpec((tile, width), lambda i: (i, 0))
   shapes = [((blocks, nbytes), jnp.uint8), ((blocks, 1), jnp.float32),
             ((blocks, block_size), jnp.int8), ((blocks, 1), jnp.float32),
@@ -283,7 +305,7 @@ def _compress_pallas(g_BxL, error_BxL, error_scale_B, bits, error_bits, beta, wi
                                          if with_decompressed else [])
   outs = pl.pallas_call(
       functools.partial(_compress_kernel, bits=bits, error_bits=error_bits, beta=beta, ops=ops),
-      out_shape=[jax.ShapeDtypeStruct(s, t) for s, t in shapes], grid=(blocks // tile,),
+      out_shape=[_out_shape(s, t, g_BxL) for s, t in shapes], grid=(blocks // tile,),
       in_specs=[rows(block_size), rows(block_size), rows(1)],
       out_specs=[rows(s[1]) for s, _ in shapes],
       interpret=interpret, compiler_params=params, name="loco_compress_step",
@@ -299,9 +321,11 @@ def _mean_pallas(packed_NxBxP, scales_NxB, bits, backend, interpret, tile_blocks
                                                          num_warps)
   tile = _tile(blocks, tile_blocks)
   block_len = nbytes * 8 // bits
+  packed_NxBxP, scales_NxB = _same_varying_axes(packed_NxBxP, scales_NxB)
   out = pl.pallas_call(
       functools.partial(_mean_kernel, shards=shards, bits=bits, ops=ops),
-      out_shape=jax.ShapeDtypeStruct((blocks, block_len), jnp.float32), grid=(blocks // tile,),
+      out_shape=_out_shape((blocks, block_len), jnp.float32, packed_NxBxP),
+      grid=(blocks // tile,),
       in_specs=[pl.BlockSpec((shards, tile, nbytes), lambda i: (0, i, 0)),
                 pl.BlockSpec((shards, tile, 1), lambda i: (0, i, 0))],
       out_specs=pl.BlockSpec((tile, block_len), lambda i: (i, 0)),

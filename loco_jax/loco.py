@@ -8,7 +8,7 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
 
-from loco_jax import comm, quant
+from loco_jax import comm, kernels, quant
 from loco_jax.comm import AxisName, LeafLayout, Payload
 
 GATHER_MODES = ("bf16", "quantized")
@@ -77,12 +77,44 @@ class _Feedback(NamedTuple):
   sent: Payload             # the compressed h, laid out for the wire
   error: jax.Array          # int8 [size], the new stored error
   error_scale: Any          # float32 [blocks] or None
+  finite: jax.Array         # bool []: every value of g was finite
+  decompressed: Any         # d as float32 [size] (when asked for), else None
+
+
+def _fusable(size: int, send: LeafLayout, scale, error_scale, beta, block_size: int) -> bool:
+  """Whether `kernels.compress_step` can take the step: absmax scales for the payload and the
+  error, a constant beta, and blocks of exactly `block_size` that line up with the wire rows."""
+  return (scale is None and error_scale is None and _concrete(beta)
+          and block_size % quant.PACK_UNIT == 0 and size % (send.rows * block_size) == 0)
+
+
+def _probe_kernel(bits: int, scale, error_bits: int, error_scale, beta, block_size: int) -> None:
+  """Runs `kernels.compress_step`'s Pallas check for these settings now, outside any trace.
+
+  The first fused step on GPU/TPU compares the Pallas kernel with jnp by compiling and running
+  small kernels. Inside a jax.shard_map trace that comparison fails, and the step would fall
+  back to jnp; building the transformation (outside jit) caches the answer instead.
+  """
+  if scale is None and error_scale is None and _concrete(beta):
+    kernels.chosen_implementation(bits=bits, error_bits=error_bits, beta=float(beta),
+                                  block_size=block_size)
 
 
 def _feedback_step(g: jax.Array, error: jax.Array, error_scales, send: LeafLayout, reset,
-                   bits: int, scale, error_bits: int, error_scale, beta, block_size: int
-                   ) -> _Feedback:
-  """One LoCo step on a flat float32 vector: compensate, quantize, average the error, store it."""
+                   bits: int, scale, error_bits: int, error_scale, beta, block_size: int,
+                   decompressed: bool = False) -> _Feedback:
+  """One LoCo step on a flat float32 vector: compensate, quantize, average the error, store it.
+
+  Aligned leaves go through the fused kernel (one pass over memory: a Pallas kernel on GPU and
+  TPU); the others through the same math in jnp here, with ragged blocks padded.
+  """
+  if _fusable(g.size, send, scale, error_scale, beta, block_size):
+    out = kernels.compress_step(g, error, error_scales, bits=bits, error_bits=error_bits,
+                                beta=float(beta), reset=reset, block_size=block_size,
+                                decompressed=decompressed)
+    sent = Payload(out.packed.reshape(send.rows, send.blocks, -1),
+                   out.scales.reshape(send.rows, send.blocks), packed=True)
+    return _Feedback(sent, out.error, out.error_scale, out.finite, out.decompressed)
   own = comm.leaf_layout(g.size, 1, block_size)
   stored = Payload(comm.to_rows(error, own),
                    None if error_scales is None else error_scales[None])
@@ -92,7 +124,8 @@ def _feedback_step(g: jax.Array, error: jax.Array, error_scales, send: LeafLayou
   d = _dequantize_blocks(sent, send, scale)
   residual = _quantize_blocks(beta * e + (1.0 - beta) * (h - d), own, error_bits, error_scale)
   new_scales = None if residual.scales is None else residual.scales[0]
-  return _Feedback(sent, comm.from_rows(residual.codes, own), new_scales)
+  return _Feedback(sent, comm.from_rows(residual.codes, own), new_scales,
+                   jnp.all(jnp.isfinite(g)), d if decompressed else None)
 
 
 def _is_due(count: jax.Array, reset_interval: int) -> jax.Array:
@@ -156,6 +189,7 @@ def loco(
     >>> updates, state = opt.update(grads, state, params)
   """
   _check_args(bits, scale, error_bits, error_scale, beta, reset_interval, block_size, gather)
+  _probe_kernel(bits, scale, error_bits, error_scale, beta, block_size)
   if gather == "quantized" and axis_name is None:
     raise ValueError("gather='quantized' needs an axis_name: there is no gather without one")
   quantized_gather = gather == "quantized" and not scatter
@@ -192,27 +226,33 @@ def loco(
     rows = rows_on_axis()
     k = state.count
     reset = _is_due(k, reset_interval)
-    step = lambda g, err, err_scales, send: _feedback_step(
-        g, err, err_scales, send, reset, bits, scale, error_bits, error_scale, beta, block_size)
+    step = lambda g, err, err_scales, send, local=False: _feedback_step(
+        g, err, err_scales, send, reset, bits, scale, error_bits, error_scale, beta, block_size,
+        decompressed=local)
 
     chosen = [i for i, g in enumerate(leaves) if _compressible(g)]
     if not chosen:  # nothing to compress or send
       return updates, state._replace(count=optax.safe_increment(k))
-    finite, flag = _nonfinite_flag(leaves, chosen)
 
-    sent, layouts = [], []
+    sent, layouts, local_d = [], [], []
+    finite = jnp.bool_(True)
     new_errors, new_error_scales = list(errors), list(error_scales)
     for i in chosen:
       g = leaves[i].reshape(-1).astype(jnp.float32)
       layout = comm.leaf_layout(g.size, rows, wire_block)
-      fb = step(g, errors[i], error_scales[i], layout)
+      fb = step(g, errors[i], error_scales[i], layout, axis_name is None)
       new_errors[i], new_error_scales[i] = fb.error, fb.error_scale
+      finite &= fb.finite
       sent.append(fb.sent)
       layouts.append(layout)
+      local_d.append(fb.decompressed)
+    # The flag is 0.0, or NaN when some gradient is not finite; it travels with the payload so
+    # that every device of the axis learns of it.
+    flag = jnp.where(finite, 0.0, jnp.nan).astype(jnp.float32)
 
     new_gather = (state.gather_error, state.gather_scale)
     if axis_name is None:
-      averaged = [_dequantize_blocks(p, lay, scale) + flag for p, lay in zip(sent, layouts)]
+      averaged = [d + flag for d in local_d]
     else:
       shards, flags = comm.all_to_all_mean(sent, bits, scale, flag, axis_name)
       if scatter:

@@ -217,3 +217,30 @@ def test_bad_arguments_name_what_was_expected():
     kernels.compress_step(g, error, error_scale, bits=3, implementation="pallas")
   with pytest.raises(ValueError, match=r"\[N, bytes\]"):
     kernels.dequantize_mean(jnp.zeros(8, jnp.uint8), jnp.zeros((1, 1)))
+
+
+def test_pallas_calls_trace_under_shard_map_with_varying_outputs():
+  # Under shard_map (check_vma) a pallas_call needs inputs of one kind and outputs that say how
+  # they vary; loco's mesh step on GPU runs the kernel there. (The CPU interpreter itself cannot
+  # run under shard_map, so this checks the traced program.)
+  mesh = jax.make_mesh((8,), ("data",))
+  from jax.sharding import PartitionSpec as P
+
+  def step(g):  # the error and its scales are not varying here: they get cast
+    out = kernels.compress_step(g[0], jnp.zeros(g.shape[1], jnp.int8),
+                                jnp.zeros(g.shape[1] // 2048), implementation="pallas",
+                                interpret=True)
+    mean = kernels.dequantize_mean(out.packed.reshape(1, -1), out.scales[None],
+                                   implementation="pallas", interpret=True)
+    return out.packed[None], mean[None]
+
+  grads = jax.ShapeDtypeStruct((8, 4096), jnp.float32,
+                               sharding=jax.sharding.NamedSharding(mesh, P("data")))
+  traced = jax.make_jaxpr(jax.shard_map(step, mesh=mesh, in_specs=P("data"),
+                                        out_specs=(P("data"), P("data"))))(grads)
+  inner = traced.jaxpr.eqns[0].params["jaxpr"]
+  calls = [e for e in inner.eqns if e.primitive.name == "pallas_call"]
+  assert len(calls) == 2
+  for call in calls:
+    for var in call.invars + call.outvars:
+      assert var.aval.manual_axis_type.varying == {"data"}, (call, var)

@@ -1,5 +1,7 @@
 """The `loco` transformation in local mode: exact semantics, feedback, bad input, memory."""
 
+import importlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,7 +9,7 @@ import optax
 import pytest
 
 import loco_jax
-from loco_jax import loco
+from loco_jax import kernels, loco
 
 
 def _np_compress(x, s, p):
@@ -78,6 +80,47 @@ def test_matches_numpy_reference(scale, error_scale):
     np.testing.assert_allclose(np.asarray(out), want, rtol=0, atol=1e-6)
     np.testing.assert_array_equal(np.abs(np.asarray(state.error).astype(int) - ref.e_int), 0)
   assert int(state.count) == steps
+
+
+def test_whole_block_leaves_take_the_fused_kernel_with_the_same_numbers(monkeypatch):
+  loco_module = importlib.import_module("loco_jax.loco")
+  fused_sizes = []
+  compress_step = kernels.compress_step
+  monkeypatch.setattr(kernels, "compress_step",
+                      lambda g, *a, **k: fused_sizes.append(g.size) or compress_step(g, *a, **k))
+  params = {"aligned": jnp.zeros((4, 1024)), "ragged": jnp.zeros(1000)}
+  rng = np.random.default_rng(1)
+  grads = [jax.tree.map(lambda p: jnp.asarray(rng.standard_normal(p.shape), jnp.float32), params)
+           for _ in range(5)]
+
+  def run(opt):
+    state, outs = opt.init(params), []
+    for g in grads:
+      out, state = jax.jit(opt.update)(g, state)
+      outs.append(out)
+    return outs, state
+
+  fused, fused_state = run(loco(block_size=1024, reset_interval=3))
+  assert fused_sizes == [4096]  # traced once; the ragged leaf and fixed scales stay unfused
+  run(loco(block_size=1024, scale=64.0))
+  assert fused_sizes == [4096]
+  monkeypatch.setattr(loco_module, "_fusable", lambda *a: False)
+  plain, plain_state = run(loco(block_size=1024, reset_interval=3))
+  for a, b in zip(fused, plain):
+    np.testing.assert_allclose(np.asarray(a["aligned"]), np.asarray(b["aligned"]), atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(a["ragged"]), np.asarray(b["ragged"]))
+  codes = np.asarray(fused_state.error["aligned"]).astype(int)
+  assert np.abs(codes - np.asarray(plain_state.error["aligned"])).max() <= 1
+
+
+def test_non_finite_gradient_in_a_fused_leaf_outputs_nan_and_keeps_state():
+  opt = loco(block_size=512)
+  g = jnp.linspace(-1, 1, 2048)
+  _, state = opt.update(g, opt.init(g))
+  out, after = jax.jit(opt.update)(g.at[7].set(jnp.inf), state)
+  assert np.all(np.isnan(np.asarray(out)))
+  jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)),
+               after, state)
 
 
 def _drift(beta, steps, seed=0):
