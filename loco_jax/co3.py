@@ -1,7 +1,10 @@
 """CO3: small-float conversion with a GenNorm-fitted scale, Huffman coding, decaying error feedback."""
 
+import collections
+import concurrent.futures
 import functools
 import math
+import threading
 from typing import Any, NamedTuple
 
 import jax
@@ -110,18 +113,43 @@ def _code(symbols: np.ndarray, capacity: int, pairs: bool) -> tuple[np.ndarray, 
   return buffer, np.int32(len(data))
 
 
-@functools.lru_cache(maxsize=16)  # a step's streams on one host; each entry is one decoded upload
-def _decode_once(data: bytes, total: int) -> np.ndarray:
-  # Devices that share a host all decode the same peers' streams: decode each stream once.
-  return huffman.decode(data, max_symbols=total)
+_DECODED: "collections.OrderedDict[tuple[bytes, int], concurrent.futures.Future]" = (
+    collections.OrderedDict())
+_DECODED_LOCK = threading.Lock()
+DECODED_KEPT = 64  # streams: a few steps of a host's devices
+
+
+def _decoded(data: bytes, total: int) -> concurrent.futures.Future:
+  """The decoded stream, decoded here if no other thread has started on it.
+
+  Devices that share a host decode the same peers' streams, each in its own callback thread at
+  the same moment; each stream is decoded once, by the first thread to reach it.
+  """
+  key = (data, total)
+  with _DECODED_LOCK:
+    decoded = _DECODED.get(key)
+    first = decoded is None
+    if first:
+      decoded = _DECODED[key] = concurrent.futures.Future()
+      while len(_DECODED) > DECODED_KEPT:
+        _DECODED.popitem(last=False)
+  if first:
+    try:
+      decoded.set_result(huffman.decode(data, max_symbols=total))
+    except Exception as e:  # noqa: BLE001 - every thread gets the same ValueError
+      decoded.set_exception(e)
+  return decoded
 
 
 def _decode_all(buffers: np.ndarray, lengths: np.ndarray, total: int) -> np.ndarray:
   """Host side: decodes every device's buffer (untrusted input: huffman.decode checks it)."""
   out = np.zeros((buffers.shape[0], total), np.uint8)
-  for d in range(buffers.shape[0]):
-    if lengths[d] <= buffers.shape[1]:  # an overflowed device's symbols come another way
-      out[d] = _decode_once(buffers[d, :lengths[d]].tobytes(), total)
+  # Streams another thread is decoding are skipped, then waited for: the threads share the work.
+  decoded = {d: _decoded(buffers[d, :lengths[d]].tobytes(), total)
+             for d in range(buffers.shape[0])
+             if lengths[d] <= buffers.shape[1]}  # an overflowed device's symbols come another way
+  for d, stream in decoded.items():
+    out[d] = stream.result()
   return out
 
 

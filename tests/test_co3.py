@@ -137,3 +137,35 @@ def test_exact_zeros_do_not_drag_the_fit():
   fit = gennorm.fit(x[x != 0])
   assert float(state.scale["w"][0]) == pytest.approx(gennorm.fp4_scale(fit.beta, fit.alpha),
                                                      rel=0.02)
+
+
+def test_device_threads_decode_each_stream_once(monkeypatch):
+  import importlib
+  import threading
+
+  from loco_jax import huffman
+  co3_module = importlib.import_module("loco_jax.co3")
+  rng = np.random.default_rng(3)
+  streams = [huffman.encode(rng.integers(0, 16, 5000).astype(np.uint8)) for _ in range(8)]
+  capacity = max(len(s) for s in streams)
+  buffers = np.zeros((8, capacity), np.uint8)
+  for d, s in enumerate(streams):
+    buffers[d, :len(s)] = np.frombuffer(s, np.uint8)
+  lengths = np.array([len(s) for s in streams], np.int32)
+  decodes, decode = [], huffman.decode
+  monkeypatch.setattr(huffman, "decode", lambda *a, **k: decodes.append(1) or decode(*a, **k))
+  results, start = [None] * 8, threading.Barrier(8)
+
+  def device(i):  # eight devices' callbacks on one host, at the same moment
+    start.wait()
+    results[i] = co3_module._decode_all(buffers, lengths, 5000)
+
+  threads = [threading.Thread(target=device, args=(i,)) for i in range(8)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  assert len(decodes) == 8
+  for r in results:
+    np.testing.assert_array_equal(r, results[0])
+  np.testing.assert_array_equal(results[0][3], decode(streams[3], max_symbols=5000))
