@@ -106,14 +106,77 @@ def _compress(g, error, error_scale, tile, warps, stages, ops):
   )(g, error, error_scale[:, None])
 
 
-VARIANTS = [  # (arithmetic, tile blocks, warps, stages)
-    ("ptx", 1, 1, 1), ("ptx", 1, 2, 1), ("ptx", 1, 4, 1), ("ptx", 1, 8, 1), ("ptx", 2, 4, 1),
-    ("ptx", 1, 4, 3),
-    ("triton", 1, 2, 1), ("triton", 1, 4, 1), ("triton", 2, 4, 1), ("triton", 2, 8, 1),
+def _persistent(g, error, error_scale, programs, warps, stages, ops):
+  """The same step with `programs` program instances, each looping over blocks pid,
+  pid + programs, ...: Triton can then prefetch a block while it computes the last one."""
+  blocks, block_size = g.shape
+  width = block_size // 2
+  planes = [pl.ds(t * width, width) for t in range(2)]
+
+  def kernel(g_ref, e_ref, es_ref, packed_ref, scale_ref, new_e_ref, new_es_ref, finite_ref):
+    pid = pl.program_id(0)
+
+    def body(k, carry):
+      row = pl.ds(k * programs + pid, 1)
+      gs = [g_ref[row, p] for p in planes]
+      q, scale, new_error, new_scale, _ = kernels._step(
+          gs, [e_ref[row, p] for p in planes], es_ref[row, :], 4, 8, 0.8, ops, False)
+      word = None
+      for t, p in enumerate(planes):
+        new_e_ref[row, p] = new_error[t].astype(jnp.int8)
+        unsigned = (q[t] + 8).astype(jnp.int32) << (4 * t)
+        word = unsigned if word is None else word | unsigned
+      packed_ref[row, :] = word.astype(jnp.uint8)
+      scale_ref[row, :] = scale
+      new_es_ref[row, :] = new_scale
+      finite_ref[row, :] = kernels._all_finite_rows(gs)
+      return carry
+
+    jax.lax.fori_loop(0, blocks // programs, body, 0)
+
+  shapes = [((blocks, width), jnp.uint8), ((blocks, 1), jnp.float32),
+            ((blocks, block_size), jnp.int8), ((blocks, 1), jnp.float32),
+            ((blocks, 1), jnp.int32)]
+  return pl.pallas_call(
+      kernel, out_shape=[jax.ShapeDtypeStruct(s, t) for s, t in shapes], grid=(programs,),
+      compiler_params=None if INTERPRET else pltriton.CompilerParams(num_warps=warps,
+                                                                     num_stages=stages),
+      interpret=INTERPRET,
+  )(g, error, error_scale[:, None])
+
+
+VARIANTS = [  # (layout, arithmetic, tile blocks or programs, warps, stages)
+    ("grid", "ptx", 1, 2, 1), ("grid", "ptx", 1, 4, 1), ("grid", "triton", 1, 4, 1),
+    ("persistent", "ptx", 512, 4, 3), ("persistent", "ptx", 1024, 4, 3),
+    ("persistent", "ptx", 2048, 4, 3), ("persistent", "ptx", 1024, 4, 1),
+    ("persistent", "ptx", 1024, 8, 3), ("persistent", "ptx", 4096, 4, 2),
 ]
 
 
-def timing_table(n: int, repeats: int) -> list[tuple[str, float]]:
+def _variant_step(layout, ops, size, warps, stages):
+  """(g [blocks, 2048], (error, error_scale)) -> (packed, scales, finite, new state)."""
+  kernel = _compress if layout == "grid" else _persistent
+  return lambda x, state: (lambda out: (out[0], out[1], out[4], (out[2], out[3][:, 0])))(
+      kernel(x, *state, size, warps, stages, ops))
+
+
+def _matches_jnp(step) -> bool:
+  """The variant against compress_step's jnp path, bit for bit, on 8192 random blocks."""
+  rng = np.random.default_rng(5)
+  blocks = 8192
+  g = (rng.standard_normal((blocks, 2048)) * np.exp(3 * rng.standard_normal((blocks, 1))))
+  e = rng.integers(-127, 128, (blocks, 2048)).astype(np.int8)
+  es = np.exp(rng.standard_normal(blocks)).astype(np.float32)
+  g = jnp.asarray(g, jnp.float32)
+  want = kernels.compress_step(g.reshape(-1), jnp.asarray(e.reshape(-1)), jnp.asarray(es),
+                               implementation="jnp")
+  packed, scales, _, (error, error_scale) = jax.jit(step)(g, (jnp.asarray(e), jnp.asarray(es)))
+  return all(np.array_equal(np.asarray(a).reshape(-1), np.asarray(b).reshape(-1)) for a, b in
+             zip((want.packed, want.scales, want.error, want.error_scale),
+                 (packed, scales, error, error_scale)))
+
+
+def timing_table(n: int, repeats: int) -> tuple[list[tuple[str, float]], dict[str, bool]]:
   g = jax.random.normal(jax.random.key(0), (n // 2048, 2048), jnp.float32)
   blocks = n // 2048
   adamw = optax.adamw(1e-3)
@@ -127,12 +190,16 @@ def timing_table(n: int, repeats: int) -> list[tuple[str, float]]:
   # PTX (Triton has no round-half-even).
   ptx = kernels._XLA_OPS if INTERPRET else kernels._triton_ops()
   ops = {"ptx": ptx, "triton": kernels._XLA_OPS._replace(round=ptx.round)}
-  for arith, tile, warps, stages in VARIANTS:
-    step = jax.jit(lambda x, state, t=tile, w=warps, s=stages, o=ops[arith]: (
-        lambda out: (out[0], out[1], out[4], (out[2], out[3][:, 0])))(
-            _compress(x, *state, t, w, s, o)), donate_argnums=1)
-    name = f"{arith}_tile{tile}_warps{warps}_stages{stages}"
+  matches = {}
+  for layout, arith, size, warps, stages in VARIANTS:
+    if blocks % size and layout == "persistent":
+      continue
+    name = f"{layout}_{arith}_{'tile' if layout == 'grid' else 'programs'}{size}_warps{warps}" \
+           f"_stages{stages}"
+    step = _variant_step(layout, ops[arith], size, warps, stages)
     try:
+      matches[name] = _matches_jnp(step) if not INTERPRET else True
+      step = jax.jit(step, donate_argnums=1)
       state = (jnp.zeros((blocks, 2048), jnp.int8), jnp.zeros(blocks, jnp.float32))
       jax.block_until_ready(step(g, state))
       state = (jnp.zeros((blocks, 2048), jnp.int8), jnp.zeros(blocks, jnp.float32))
@@ -140,33 +207,38 @@ def timing_table(n: int, repeats: int) -> list[tuple[str, float]]:
     except Exception as e:  # noqa: BLE001
       print(f"probe: {name}: {type(e).__name__}: {str(e)[:300]}", file=sys.stderr)
   seconds = bench._time_interleaved(cands, repeats)
-  return [(name, s) for name, s in seconds.items()]
+  return [(name, s) for name, s in seconds.items()], matches
 
 
 def main() -> int:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--n-params", type=int, default=1 << 28)
   p.add_argument("--repeats", type=int, default=10)
-  p.add_argument("--smoke", action="store_true", help="CPU, interpreter, tiny sizes")
+  p.add_argument("--smoke", action="store_true", help="CPU, interpreter, small sizes")
+  p.add_argument("--skip-rounding", action="store_true")
   args = p.parse_args()
   if args.smoke:
     global INTERPRET
-    INTERPRET, args.n_params, args.repeats = True, 4 * 2048, 2
+    INTERPRET, args.n_params, args.repeats = True, 1024 * 2048, 1
   elif jax.default_backend() != "gpu":
     print(f"gpu_kernel_probe: needs a GPU, backend is {jax.default_backend()}", file=sys.stderr)
     return 2
-  size = 4 * BLOCK if INTERPRET else 1 << 22
-  print(f"## Rounding against numpy float32 (elements differing of {size}; -1: failed)\n")
-  print("| operation | form | differing |\n|---|---|---|")
-  for op, name, count in rounding_table(size):
-    print(f"| {op} | {name} | {count} |")
+  if not args.skip_rounding:
+    size = 4 * BLOCK if INTERPRET else 1 << 22
+    print(f"## Rounding against numpy float32 (elements differing of {size}; -1: failed)\n")
+    print("| operation | form | differing |\n|---|---|---|")
+    for op, name, count in rounding_table(size):
+      print(f"| {op} | {name} | {count} |")
   n = args.n_params
   print(f"\n## Compress kernel, n = {n}, median of {args.repeats} (interleaved)\n")
-  print("| variant | ms | vs adamw | GB/s at 6.5 B/elem | vs copy |\n|---|---|---|---|---|")
-  seconds = dict(timing_table(n, args.repeats))
+  print("| variant | ms | vs adamw | GB/s at 6.5 B/elem | vs copy | equals jnp |\n"
+        "|---|---|---|---|---|---|")
+  timed, matches = timing_table(n, args.repeats)
+  seconds = dict(timed)
   for name, s in seconds.items():
     print(f"| {name} | {s * 1e3:.3f} | {s / seconds['adamw']:.3f} | "
-          f"{n * 6.5 / s / 1e9:.0f} | {seconds['copy_6.5B'] / s:.3f} |")
+          f"{n * 6.5 / s / 1e9:.0f} | {seconds['copy_6.5B'] / s:.3f} | "
+          f"{matches.get(name, '')} |")
   return 0
 
 
