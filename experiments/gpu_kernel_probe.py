@@ -2,12 +2,15 @@
 Pallas compress kernel runs by tile, warps, pipeline stages and arithmetic.
 
   python experiments/gpu_kernel_probe.py [--n-params 268435456] [--repeats 10]
+                                         [--skip-rounding] [--smoke (CPU interpreter)]
 
 Part 1 counts, for each operation, the elements (of 2**22 random float32 triples spanning
 e**+-9) where XLA:GPU, Triton's own arithmetic and explicit PTX differ from numpy's correctly
 rounded float32 result: it says which PTX the jnp path's arithmetic is, so that the Pallas
-kernel can use the same. Part 2 times kernels.compress_step's Pallas kernel with each
-configuration against a device copy of the same bytes and optax.adamw (medians, interleaved).
+kernel can use the same. Part 2 times the compress kernel in each layout (kernels.py's grid of
+tiles; persistent programs looping over blocks) and configuration against a device copy of the
+same bytes and optax.adamw (medians, interleaved), each checked bit for bit against the jnp path.
+Results of the H200 runs: docs/PERFORMANCE.md.
 """
 
 import argparse

@@ -439,7 +439,8 @@ def check_kernels(backend: str) -> list[tuple[str, bool, str]]:
   for implementation in ("jnp", "auto"):
     got = np.asarray(jax.jit(functools.partial(kernels.dequantize_mean,
                                                implementation=implementation))(received, scales))
-    worst = float(np.max(np.abs(got - want) / np.maximum(np.abs(values).mean(0).reshape(-1), 1e-30)))
+    magnitude = np.maximum(np.abs(values).mean(axis=0).reshape(-1), 1e-30)
+    worst = float(np.max(np.abs(got - want) / magnitude))
     checks.append((f"dequantize_mean_matches_numpy/{implementation}", worst <= tolerance,
                    f"{int(np.sum(got != want))}/{want.size} elements differ, max diff "
                    f"{worst:.2g} of mean |value| (allowed {tolerance:.2g})"))

@@ -135,13 +135,18 @@ def _is_due(count: jax.Array, reset_interval: int) -> jax.Array:
   return (count > 0) & (count % reset_interval == 0)
 
 
+def _flag(finite: jax.Array) -> jax.Array:
+  """0.0, or NaN when some gradient is not finite: it travels with the payload so that every
+  device of the axis learns of it."""
+  return jnp.where(finite, 0.0, jnp.nan).astype(jnp.float32)
+
+
 def _nonfinite_flag(leaves: list, chosen: list[int]) -> tuple[jax.Array, jax.Array]:
-  """(all finite, flag): the flag is 0.0, or NaN when some gradient is not finite; it travels
-  with the payload so that every device of the axis learns of it."""
+  """(all finite, `_flag`) over the chosen leaves."""
   finite = jnp.bool_(True)
   for i in chosen:
     finite &= jnp.all(jnp.isfinite(leaves[i]))
-  return finite, jnp.where(finite, 0.0, jnp.nan).astype(jnp.float32)
+  return finite, _flag(finite)
 
 
 def _keep_if(finite, new, old):
@@ -246,9 +251,7 @@ def loco(
       sent.append(fb.sent)
       layouts.append(layout)
       local_d.append(fb.decompressed)
-    # The flag is 0.0, or NaN when some gradient is not finite; it travels with the payload so
-    # that every device of the axis learns of it.
-    flag = jnp.where(finite, 0.0, jnp.nan).astype(jnp.float32)
+    flag = _flag(finite)
 
     new_gather = (state.gather_error, state.gather_scale)
     if axis_name is None:
