@@ -30,9 +30,7 @@ import dataclasses
 import datetime
 import json
 import math
-import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, NamedTuple, Sequence
@@ -40,6 +38,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+from loco_jax import files  # noqa: E402
 
 METHODS = ("sgd", "co3-fp4", "co3-fp8")
 TASKS = ("ts", "gpt")
@@ -459,29 +458,6 @@ def format_tables(summary: Sequence[dict], betas: Sequence[dict]) -> str:
 
 # --- Files and plots ------------------------------------------------------------------------------
 
-def write_atomic(path: Path, data: str | bytes) -> None:
-  """Writes to a temp file beside `path`, then os.replace: readers never see half a file."""
-  path = Path(path)
-  fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-  try:
-    with os.fdopen(fd, "wb") as f:
-      f.write(data.encode() if isinstance(data, str) else data)
-      f.flush()
-      os.fsync(f.fileno())
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
-  except BaseException:
-    Path(tmp).unlink(missing_ok=True)
-    raise
-
-
-def _save(fig, path: Path) -> None:
-  import io
-  buffer = io.BytesIO()
-  fig.savefig(buffer, format="png")
-  write_atomic(path, buffer.getvalue())
-
-
 def _smooth(y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
   k = max(len(y) // 25, 1)
   return np.arange(k, len(y) + 1), np.convolve(y, np.ones(k) / k, mode="valid")
@@ -517,7 +493,7 @@ def plot(runs: Sequence[dict], out: Path) -> list[str]:
       ax.legend(fontsize=8)
     fig.tight_layout()
     name = f"loss_vs_{kind}.png"
-    _save(fig, out / name)
+    files.save_figure_atomic(fig, out / name)
     plt.close(fig)
     written.append(name)
 
@@ -546,7 +522,7 @@ def plot(runs: Sequence[dict], out: Path) -> list[str]:
         ax.set_ylabel("fitted beta (2 normal, 1 Laplace)")
     axes[i][0].legend(fontsize=6)
   fig.tight_layout()
-  _save(fig, out / "beta_per_layer.png")
+  files.save_figure_atomic(fig, out / "beta_per_layer.png")
   plt.close(fig)
   written.append("beta_per_layer.png")
 
@@ -566,7 +542,7 @@ def plot(runs: Sequence[dict], out: Path) -> list[str]:
       ax.grid(alpha=0.3)
       ax.legend(fontsize=8)
   fig.tight_layout()
-  _save(fig, out / "w2.png")
+  files.save_figure_atomic(fig, out / "w2.png")
   plt.close(fig)
   written.append("w2.png")
   return written
@@ -654,9 +630,9 @@ def main(argv: Sequence[str] | None = None) -> int:
   results = {"command": command.strip(), "config": dataclasses.asdict(config),
              "jax_version": jax.__version__, "runtime_s": runtime,
              "summary": summary, "beta_table": betas, "runs": runs}
-  write_atomic(out / "results.json", json.dumps(results, indent=1, allow_nan=False) + "\n")
+  files.write_atomic(out / "results.json", json.dumps(results, indent=1, allow_nan=False) + "\n")
   tables = format_tables(summary, betas)
-  write_atomic(out / "table.md", tables)
+  files.write_atomic(out / "table.md", tables)
   pngs = plot(runs, out)
   print(tables)
   print(f"runtime {runtime:.0f} s; wrote {out}/results.json, table.md, {', '.join(pngs)}")

@@ -8,7 +8,7 @@ import os
 import re
 import sys
 from pathlib import Path
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -48,47 +48,12 @@ def setup(devices: int, platform: str = "cpu", cache_dir: str | None = None) -> 
 
 # --- LoCo with a float32 error (not in the library: an ablation of its int8 storage) ------------
 
-class Fp32ErrorState(NamedTuple):
-  error: Any  # float32, like the params; differs per device
-  PER_DEVICE = ("error",)
-
-
 def fp32_error_loco(bits: int, beta: float, block_size: int = 2048, axis_name: str = "data"):
-  """LoCo's update e' = beta e + (1 - beta)(h - d) with e kept in float32, on LoCo's wire.
-
-  The feedback runs locally on the wire's block layout, then `baselines.int_quantized` sends d:
-  re-quantizing d on its own blocks gives d back (its absmax is h's), so the wire is the real
-  `bits`-bit all-to-all. Reset and non-finite handling are left out.
-  """
-  import jax
-  import jax.numpy as jnp
-  import optax
-  from loco_jax import baselines, comm, quant
-
-  def init_fn(params):
-    return Fp32ErrorState(jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), params))
-
-  def update_fn(updates, state, params=None, **extra_args):
-    del params, extra_args
-    n = comm.axis_size(axis_name, "fp32_error_loco")
-
-    def one(g, e):
-      h = g.astype(jnp.float32) + e
-      layout = comm.leaf_layout(h.size, n, block_size)
-      rows = comm.to_rows(h.reshape(-1), layout)
-      scales = quant.absmax_scale(rows, bits)[..., None]
-      d = comm.from_rows(quant.decompress(quant.compress(rows, scales, bits), scales),
-                         layout).reshape(h.shape)
-      return d.astype(g.dtype), beta * e + (1.0 - beta) * (h - d)
-
-    pairs = jax.tree.map(one, updates, state.error)
-    is_pair = lambda x: isinstance(x, tuple)
-    d = jax.tree.map(lambda p: p[0], pairs, is_leaf=is_pair)
-    e = jax.tree.map(lambda p: p[1], pairs, is_leaf=is_pair)
-    return d, Fp32ErrorState(e)
-
-  local = optax.GradientTransformationExtraArgs(init_fn, update_fn)
-  return optax.chain(local, baselines.int_quantized(bits, block_size, axis_name))
+  """LoCo's update e' = beta e + (1 - beta)(h - d) with e kept in float32, on LoCo's wire (the
+  `bits`-bit all-to-all of `baselines.int_quantized`); no periodic reset."""
+  from loco_jax import baselines
+  return baselines._feedback(baselines._block_codec(bits, block_size), axis_name,
+                             "fp32_error_loco", beta=beta)
 
 
 # --- Variants -------------------------------------------------------------------------------------
@@ -140,6 +105,12 @@ def append_jsonl(path: Path, record: dict) -> None:
     os.fsync(f.fileno())
 
 
+def write_text_atomic(path: Path, text: str) -> None:
+  # Imported here: importing loco_jax imports jax, which must wait for `setup`.
+  from loco_jax import files
+  files.write_atomic(path, text)
+
+
 def read_jsonl(path: Path) -> list[dict]:
   if not Path(path).exists():
     return []
@@ -161,12 +132,6 @@ def mean_std(values: Sequence[float]) -> str:
   return f"{v.mean():+.2f} ± {v.std(ddof=1):.2f}"
 
 
-def write_text_atomic(path: Path, text: str) -> None:
-  tmp = Path(path).with_name(f".{Path(path).name}.tmp")
-  tmp.write_text(text)
-  os.replace(tmp, path)
-
-
 def describe(config) -> str:
   """One line naming a config's model, batch and schedule."""
   return (f"d_model {config.d_model}, {config.n_layers} layers, {config.devices} devices x "
@@ -177,8 +142,7 @@ def describe(config) -> str:
 def result_record(result, config, **extra: Any) -> dict:
   """A JSON record of a demo.MethodResult plus the config and `extra` fields."""
   import dataclasses
-  record = {k: (finite_or_none(v) if isinstance(v, float) else v)
-            for k, v in result.as_json().items()}
+  record = result.as_json()  # non-finite losses already null
   stride = max(len(result.losses) // 100, 1)
   record.update(compile_s=result.compile_s,
                 state_bytes_per_device=result.state_bytes_per_device,

@@ -286,9 +286,10 @@ def int_quantized(bits: int = 4, block_size: int = 2048,
   return optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update_fn)
 
 
-def _feedback(codec: _Codec, axis_name: AxisName | None,
-              who: str) -> optax.GradientTransformationExtraArgs:
-  """Classic error feedback around `codec`: h = g + e, send C(h), e' = h - d (float32)."""
+def _feedback(codec: _Codec, axis_name: AxisName | None, who: str,
+              beta: float = 0.0) -> optax.GradientTransformationExtraArgs:
+  """Classic error feedback around `codec`: h = g + e, send C(h), e' = h - d (float32); with
+  `beta`, LoCo's moving average e' = beta e + (1 - beta)(h - d) (an experiments' ablation)."""
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
     step = _step(updates)
@@ -300,7 +301,7 @@ def _feedback(codec: _Codec, axis_name: AxisName | None,
     means, flags = _average(codec, messages, decoded, step.flag, axis_name)
     new_errors = list(errors)
     for i, h, d in zip(step.chosen, hs, decoded):
-      new_errors[i] = h - d
+      new_errors[i] = h - d if beta == 0 else beta * errors[i] + (1.0 - beta) * (h - d)
     new_errors = _keep_if(jnp.isfinite(flags), new_errors, errors)
     return step.outputs(means, flags), ErrorFeedbackState(step.treedef.unflatten(new_errors))
 

@@ -9,7 +9,6 @@ import re
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from typing import Any, Callable, NamedTuple, Sequence
 
@@ -18,12 +17,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from loco_jax import comm, kernels, loco
+from loco_jax import comm, files, kernels, loco
+from loco_jax.loco import _reference_step
 
 # Bytes an element that each step has to move (read + write), the basis of "bandwidth".
 COMPRESS_BYTES = 4 + 1 + 0.5 + 1      # g, error in; 4-bit payload, error out
-LOCO_UPDATE_BYTES = 4 + 1 + 4 + 1     # g, error in; float32 update, error out (local mode;
-                                      # through the kernels also the 0.5 B payload)
+LOCO_UPDATE_BYTES = 4 + 1 + 4 + 1     # g, error in; float32 update, error out (local mode)
 ADAMW_BYTES = 4 * 7                   # g, params, mu, nu in; mu, nu, update out
 MEAN_BYTES = 0.5 + 4 / 8              # 8 peers' 4-bit shards in, their float32 mean out
 WIRE_DEVICES = 8
@@ -141,7 +140,7 @@ def _step_candidates(n: int, backend: str, sweep: bool) -> tuple[list[_Candidate
   fusions["loco_update"] = _count_fusions(loco_step, g, jax.eval_shape(opt.init, g))
   copy_words = math.ceil(n * COMPRESS_BYTES / 2 / 4)  # reads and writes 6.5 B an element
   copy = jax.jit(lambda x: x + jnp.uint32(1), donate_argnums=0)
-  cands.append(_Candidate("copy", lambda x: copy(x), jnp.zeros(copy_words, jnp.uint32)))
+  cands.append(_Candidate("copy", copy, jnp.zeros(copy_words, jnp.uint32)))
 
   block = 2048
   if n % block:
@@ -169,10 +168,6 @@ def _step_candidates(n: int, backend: str, sweep: bool) -> tuple[list[_Candidate
   cands.append(_Candidate("dequantize_mean_8_peers", lambda r, s, _: mean(r, s), None,
                           (received, peer_scales)))
   facts["compress_step_auto"] = kernels.chosen_implementation(blocks)
-  local = jax.jit(lambda grads, state: _local_update(grads, state), donate_argnums=1)
-  cands.append(_Candidate("loco_update_via_kernels", local,
-                          (jnp.zeros(n, jnp.int8), jnp.zeros(blocks, jnp.float32)), (g,),
-                          keep=lambda out: out[1]))
   if backend in ("gpu", "tpu"):
     configs = GPU_SWEEP if backend == "gpu" and sweep else ((None, None),)
     for tile_blocks, num_warps in configs:
@@ -184,13 +179,6 @@ def _step_candidates(n: int, backend: str, sweep: bool) -> tuple[list[_Candidate
                                         implementation="pallas", tile_blocks=tile_blocks,
                                         num_warps=num_warps))
   return cands, fusions, facts
-
-
-def _local_update(g: jax.Array, state: tuple) -> tuple:
-  """What loco().update would run in local mode through kernels.compress_step (auto)."""
-  out = kernels.compress_step(g, *state, decompressed=True)
-  update = out.decompressed + jnp.where(out.finite, 0.0, jnp.nan)
-  return update, (out.error, out.error_scale)
 
 
 def _timing_records(n: int, repeats: int, backend: str, sweep: bool) -> list[Record]:
@@ -221,12 +209,6 @@ def _timing_records(n: int, repeats: int, backend: str, sweep: bool) -> list[Rec
     mean_s = seconds["dequantize_mean_8_peers"]
     records.append(Record("bandwidth_GBps/dequantize_mean_8_peers", n * MEAN_BYTES / mean_s / 1e9,
                           "GB/s"))
-  if "loco_update_via_kernels" in seconds:
-    records.append(Record("loco_update_via_kernels_over_adamw",
-                          seconds["loco_update_via_kernels"] / adamw_s, "x"))
-    records.append(Record("bandwidth_GBps/loco_update_via_kernels",
-                          n * (LOCO_UPDATE_BYTES + 0.5) / seconds["loco_update_via_kernels"]
-                          / 1e9, "GB/s"))
   for key, value in facts.items():
     if key.startswith("pallas_report/"):  # 1 match, 0 mismatch (timed anyway), -1 error
       records.append(Record(key, 1.0 if value == "match" else
@@ -399,23 +381,25 @@ def check_kernels(backend: str) -> list[tuple[str, bool, str]]:
     checks.append((f"pallas_equals_jnp/bits={bits},error_bits={error_bits},beta={beta}",
                    report == "match", report))
   blocks, n = 40, 40 * 2048
-  step = jax.jit(lambda g, e, s, r: kernels.compress_step(g, e, s, reset=r, decompressed=True))
+  step = jax.jit(lambda g, e, s, r: kernels.compress_step(g, e, s, reset=r, decompressed=True,
+                                                          implementation="jnp"))
+  reference = jax.jit(_reference_step)
   for name, reset_interval, data in (
       ("jnp_equals_loco_exact_products", 1, _exact_product_gradients),
       ("jnp_tracks_loco_general_data", 3, _general_gradients)):
-    opt = loco(reset_interval=reset_interval)
-    state, update = opt.init(jnp.zeros(n)), jax.jit(opt.update)
+    error, error_scale = jnp.zeros(n, jnp.int8), jnp.zeros(blocks, jnp.float32)
     worst = {"update": 0, "codes": 0, "scales": 0.0}
     for k in range(4):
       g = jnp.asarray(data(k, blocks))
       reset = jnp.bool_(k > 0 and k % reset_interval == 0)
-      out = step(g, state.error, state.error_scale, reset)
-      want, state = update(g, state)
+      out = step(g, error, error_scale, reset)
+      want = reference(g, error, error_scale, reset)
+      error, error_scale = want.error, want.error_scale
       worst["update"] = max(worst["update"], int(np.sum(np.asarray(out.decompressed) !=
-                                                        np.asarray(want))))
+                                                        np.asarray(want.decompressed))))
       worst["codes"] = max(worst["codes"], int(np.sum(np.asarray(out.error) !=
-                                                      np.asarray(state.error))))
-      got_scale, want_scale = np.asarray(out.error_scale), np.asarray(state.error_scale)
+                                                      np.asarray(want.error))))
+      got_scale, want_scale = np.asarray(out.error_scale), np.asarray(want.error_scale)
       worst["scales"] = max(worst["scales"], float(np.max(
           np.abs(got_scale - want_scale) / np.maximum(np.abs(want_scale), 1e-30))))
     exact = worst["update"] == worst["codes"] == 0 and worst["scales"] == 0
@@ -474,8 +458,7 @@ def format_tables(records: list[Record], backend: str, n: int, repeats: int, psi
                  f"{'' if gbps is None else f'{gbps / copy_gbps:.3f}'} | "
                  f"{'' if fusions is None else int(fusions)} |")
   lines += ["", "| ratio | value |", "|---|---|"]
-  for name in ("loco_over_adamw", "loco_update_via_kernels_over_adamw",
-               "compress_step_over_adamw", "loco_bandwidth_fraction_of_copy",
+  for name in ("loco_over_adamw", "compress_step_over_adamw", "loco_bandwidth_fraction_of_copy",
                "loco_update_bandwidth_fraction_of_copy", "compress_step_auto_is_pallas"):
     value = _value(records, name)
     if value is not None:
@@ -502,22 +485,6 @@ def format_tables(records: list[Record], backend: str, n: int, repeats: int, psi
                    f"{ring['loco_s']:.3f} | {ring['speedup']:.2f} | "
                    f"{row['master-server']['speedup']:.2f} |")
   return "\n".join(lines) + "\n"
-
-
-def write_json_atomic(path: str, records: list[dict]) -> None:
-  """Writes `records` as JSON to `path` through a temporary file and os.replace."""
-  directory = os.path.dirname(os.path.abspath(path))
-  os.makedirs(directory, exist_ok=True)
-  handle, temporary = tempfile.mkstemp(prefix=".bench-", suffix=".json", dir=directory)
-  try:
-    with os.fdopen(handle, "w") as f:
-      json.dump(records, f, indent=1)
-      f.flush()
-      os.fsync(f.fileno())
-    os.replace(temporary, path)
-  except BaseException:
-    os.unlink(temporary)
-    raise
 
 
 # --- Command line ----------------------------------------------------------------------------
@@ -602,5 +569,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                           if r.name.startswith("wire_bits") else
                           args.psi if r.name.startswith("cost_model") else n))
            for r in records]
-    write_json_atomic(args.json, out)
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+    files.write_json_atomic(args.json, out, indent=1)
   return 0

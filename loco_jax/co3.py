@@ -5,7 +5,7 @@ import concurrent.futures
 import functools
 import math
 import threading
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -13,8 +13,9 @@ import numpy as np
 import optax
 from jax.experimental.buffer_callback import buffer_callback
 
-from loco_jax import comm, fp, gennorm, huffman
+from loco_jax import fp, gennorm, huffman
 from loco_jax.comm import AxisName
+from loco_jax.loco import _compressible, _flag, _nonfinite_flag
 
 FORMATS = {"fp4": fp.FP4, "fp8": fp.FP8}
 FIT_SAMPLES = 65_536      # per leaf, strided: the fit needs the shape, not every value
@@ -22,7 +23,7 @@ CAPACITY_MARGIN_BITS = 0.3
 # Stream header (magic, count, CRC, code lengths: under 200 bytes) and lane table (~10 bits a
 # lane of 2048 letters), as huffman.encode writes them.
 HEADER_BYTES = 200
-LANE_TABLE_BYTES_PER_SYMBOL = 2 / 2048
+LANE_TABLE_BYTES_PER_SYMBOL = 2 / huffman._LANE_LETTERS
 MIN_BETA = 0.35           # below it p(beta) is not a fit any more
 SATURATION_QUANTILE = 0.99
 
@@ -107,38 +108,46 @@ def _encode(symbols: np.ndarray, pairs: bool) -> bytes:
 def _code(symbols: np.ndarray, capacity: int, pairs: bool) -> tuple[np.ndarray, np.ndarray]:
   """Host side: Huffman-codes one device's symbols into a fixed-capacity buffer plus length."""
   data = _encode(symbols, pairs)
+  if len(data) <= capacity:  # this host will receive the stream back: it need not decode it
+    known, first = _claim((data, symbols.size))
+    if first:
+      known.set_result(symbols.copy())  # the callback's buffer does not outlive the call
   buffer = np.zeros(capacity, np.uint8)
   kept = min(len(data), capacity)
   buffer[:kept] = np.frombuffer(data, np.uint8)[:kept]
   return buffer, np.int32(len(data))
 
 
+# Decoded streams of the last few steps, by (coded bytes, symbol count). Devices that share a
+# host decode the same peers' streams, each in its own callback thread at the same moment: each
+# stream is decoded once, by the first thread to reach it, or not at all if this host coded it.
 _DECODED: "collections.OrderedDict[tuple[bytes, int], concurrent.futures.Future]" = (
     collections.OrderedDict())
 _DECODED_LOCK = threading.Lock()
 DECODED_KEPT = 64  # streams: a few steps of a host's devices
 
 
-def _decoded(data: bytes, total: int) -> concurrent.futures.Future:
-  """The decoded stream, decoded here if no other thread has started on it.
-
-  Devices that share a host decode the same peers' streams, each in its own callback thread at
-  the same moment; each stream is decoded once, by the first thread to reach it.
-  """
-  key = (data, total)
+def _claim(key: tuple[bytes, int]) -> tuple[concurrent.futures.Future, bool]:
+  """The cache entry for `key`, and whether this call created it (and so must fill it)."""
   with _DECODED_LOCK:
-    decoded = _DECODED.get(key)
-    first = decoded is None
-    if first:
-      decoded = _DECODED[key] = concurrent.futures.Future()
-      while len(_DECODED) > DECODED_KEPT:
-        _DECODED.popitem(last=False)
+    entry = _DECODED.get(key)
+    if entry is not None:
+      return entry, False
+    entry = _DECODED[key] = concurrent.futures.Future()
+    while len(_DECODED) > DECODED_KEPT:
+      _DECODED.popitem(last=False)
+    return entry, True
+
+
+def _decoded(data: bytes, total: int) -> concurrent.futures.Future:
+  """The decoded stream, decoded here if no other thread has started on it."""
+  entry, first = _claim((data, total))
   if first:
     try:
-      decoded.set_result(huffman.decode(data, max_symbols=total))
+      entry.set_result(huffman.decode(data, max_symbols=total))
     except Exception as e:  # noqa: BLE001 - every thread gets the same ValueError
-      decoded.set_exception(e)
-  return decoded
+      entry.set_exception(e)
+  return entry
 
 
 def _decode_all(buffers: np.ndarray, lengths: np.ndarray, total: int) -> np.ndarray:
@@ -206,8 +215,8 @@ def co3(
   def init_fn(params):
     return Co3State(
         count=jnp.zeros([], jnp.int32),
-        error=jax.tree.map(lambda x: jnp.zeros((x.size if _float(x) else 0,), jnp.float32),
-                           params),
+        error=jax.tree.map(
+            lambda x: jnp.zeros((x.size if _compressible(x) else 0,), jnp.float32), params),
         scale=jax.tree.map(lambda x: jnp.ones((1,), jnp.float32), params),
         coded_bits=jnp.zeros((1,), jnp.float32),
         overflows=jnp.zeros([], jnp.int32))
@@ -217,14 +226,12 @@ def co3(
     leaves, treedef = jax.tree.flatten(updates)
     errors = treedef.flatten_up_to(state.error)
     scales = treedef.flatten_up_to(state.scale)
-    chosen = [i for i, g in enumerate(leaves) if _float(g)]
+    chosen = [i for i, g in enumerate(leaves) if _compressible(g)]
     if not chosen:
       return updates, state
     compensated = [leaves[i].reshape(-1).astype(jnp.float32) + gamma * errors[i]
                    for i in chosen]
-    finite = jnp.bool_(True)
-    for a in compensated:
-      finite &= jnp.all(jnp.isfinite(a))
+    finite, flag = _nonfinite_flag(compensated, range(len(compensated)))
 
     sizes = tuple(a.size for a in compensated)
     old_scales = jnp.concatenate([scales[i] for i in chosen])
@@ -251,7 +258,6 @@ def co3(
                                                     small_float)]
     else:
       # Scales and the finiteness flag ride in one small gather, replicated afterwards.
-      flag = jnp.where(finite, 0.0, jnp.nan)
       if entropy_code:
         capacity = HEADER_BYTES + math.ceil((capacity_bits / 8 + LANE_TABLE_BYTES_PER_SYMBOL)
                                             * total)
@@ -286,7 +292,7 @@ def co3(
       sent = [v[0] for v in _decode_leaves(symbols[None], new_scales[None], sizes, small_float)]
       values = [v.mean(axis=0) for v in values]
 
-    flag_out = jnp.where(finite, 0.0, jnp.nan)
+    flag_out = _flag(finite)
     out, new_errors, new_scale_leaves = list(leaves), list(errors), list(scales)
     for j, i in enumerate(chosen):
       g = leaves[i]
@@ -301,10 +307,6 @@ def co3(
         overflows=overflows)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
-
-def _float(x) -> bool:
-  return jnp.issubdtype(x.dtype, jnp.floating) and x.size > 0
 
 
 def _refit(fmt: fp.FloatFormat, compensated: list[jax.Array], old_scales: jax.Array) -> jax.Array:

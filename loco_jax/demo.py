@@ -6,16 +6,16 @@ import argparse
 import dataclasses
 import datetime
 import importlib
-import json
 import math
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
+
+from loco_jax import files
 
 METHODS = ("none", "bf16", "int4-noef", "ef4", "loco4", "loco4-fixed", "co3-fp4")
 DESCRIPTIONS = {
@@ -385,40 +385,13 @@ def format_table(results: Sequence[MethodResult], unavailable: dict[str, str] | 
   return "\n".join(lines)
 
 
-def _publish(tmp: str, path: Path) -> None:
-  """Gives a finished temp file the usual permissions (mkstemp makes it 0600) and renames it."""
-  umask = os.umask(0)
-  os.umask(umask)
-  os.chmod(tmp, 0o666 & ~umask)
-  os.replace(tmp, path)
-
-
-def write_json_atomic(path: Path, obj: Any) -> None:
-  """Writes `obj` as JSON to a temp file beside `path`, then renames it over `path`."""
-  path = Path(path)
-  fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-  try:
-    with os.fdopen(fd, "w") as f:
-      json.dump(obj, f, indent=2)
-      f.write("\n")
-      f.flush()
-      os.fsync(f.fileno())
-    _publish(tmp, path)
-  except BaseException:
-    Path(tmp).unlink(missing_ok=True)
-    raise
-
-
 def write_curves(path: Path, results: Sequence[MethodResult]) -> None:
   """loss_curves.csv: step, then one train-loss column per method (written atomically)."""
   rows = ["step," + ",".join(r.method for r in results)]
   for i in range(max((len(r.losses) for r in results), default=0)):
     rows.append(f"{i + 1}," + ",".join(f"{r.losses[i]:.5f}" if i < len(r.losses) else ""
                                        for r in results))
-  fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-  with os.fdopen(fd, "w") as f:
-    f.write("\n".join(rows) + "\n")
-  _publish(tmp, path)
+  files.write_atomic(path, "\n".join(rows) + "\n")
 
 
 def plot_curves(path: Path, results: Sequence[MethodResult], title: str = "") -> bool:
@@ -464,11 +437,8 @@ def plot_curves(path: Path, results: Sequence[MethodResult], title: str = "") ->
     diff.set_title("the cost of compression (below 0: better than fp32)", fontsize=10)
     diff.grid(alpha=0.3)
   fig.tight_layout()
-  fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".png")
-  os.close(fd)
-  fig.savefig(tmp)
+  files.save_figure_atomic(fig, path)
   plt.close(fig)
-  _publish(tmp, path)
   return True
 
 
@@ -617,7 +587,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 130
   total_s = time.perf_counter() - start
 
-  write_json_atomic(out / "results.json", [r.as_json() for r in results])
+  files.write_json_atomic(out / "results.json", [r.as_json() for r in results])
   write_curves(out / "loss_curves.csv", results)
   plotted = plot_curves(out / "loss_curves.png", results,
                         f"loco-jax demo: {num_params(params):,} params, {config.devices} devices")

@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import optax
 
 from loco_jax import comm
-from loco_jax.loco import (_check_args, _compressible, _feedback_step, _is_due, _keep_if,
-                           _nonfinite_flag, _probe_kernel)
+from loco_jax.loco import (_check_args, _compressible, _feedback_step, _flag, _is_due,
+                           _keep_if, _nonfinite_flag, _probe_kernel)
 
 INTRA_MODES = ("reduce_scatter", "loco")
 
@@ -89,21 +89,22 @@ def two_hop(
     chosen = [i for i, g in enumerate(leaves) if _compressible(g)]
     if not chosen:  # nothing to compress or send
       return updates, state._replace(count=optax.safe_increment(k))
-    _, flag = _nonfinite_flag(leaves, chosen)
     grads = [leaves[i].reshape(-1).astype(jnp.float32) for i in chosen]
     layouts1 = [comm.leaf_layout(g.size, local, wire_block) for g in grads]
 
     errors, error_scales = flat(state.error), flat(state.error_scale)
     new_errors, new_error_scales = list(errors), list(error_scales)
     if intra == "loco":
-      sent = []
+      sent, finite = [], jnp.bool_(True)
       for i, g, lay in zip(chosen, grads, layouts1):
         fb = step(g, errors[i], error_scales[i], lay)
         new_errors[i], new_error_scales[i] = fb.error, fb.error_scale
+        finite &= fb.finite  # the step has read g already
         sent.append(fb.sent)
-      shards, flags = comm.all_to_all_mean(sent, bits, scale, flag, local_axis)
+      shards, flags = comm.all_to_all_mean(sent, bits, scale, _flag(finite), local_axis)
       shards = [s.reshape(-1)[: lay.row_len] for s, lay in zip(shards, layouts1)]
     else:
+      _, flag = _nonfinite_flag(leaves, chosen)
       shards = [jax.lax.psum_scatter(comm.shard_rows(g, lay), local_axis, scatter_dimension=0,
                                      tiled=True).reshape(-1) / local
                 for g, lay in zip(grads, layouts1)]

@@ -15,9 +15,6 @@ from loco_jax import huffman
 LANE_SYMBOLS = 2048
 # Codes are at most 16 bits, so a code touches at most 2 of the 32-bit words.
 MAX_CODE_LENGTH = huffman.MAX_CODE_LENGTH
-# When a table is made from a model, every letter gets at least this much probability, so that
-# letters the model calls impossible still have (long) codes; huffman.py uses the same floor.
-PROBABILITY_FLOOR = 2.0 ** -20
 _INT32_MAX = 2 ** 31 - 1
 
 Packing = Literal["segment_sum", "cumsum"]
@@ -57,15 +54,11 @@ def make_table(weights: np.ndarray, max_code_length: int = huffman.DEFAULT_MAX_C
     >>> lengths[:4], codes[:4]
     (array([1, 3, 3, 2], dtype=uint8), array([0, 6, 7, 2], dtype=uint32))
   """
-  weights = np.asarray(weights, np.float64)
-  if every_letter:
-    if weights.ndim != 1 or weights.size > 256 or not weights.sum() > 0:
-      raise ValueError(f"make_table takes one non-negative weight per letter (1-D, at most 256, "
-                       f"positive sum), got shape {weights.shape}.")
-    padded = np.zeros(256)
-    padded[:weights.size] = weights / weights.sum()
-    weights = padded + PROBABILITY_FLOOR
-  lengths = huffman.code_lengths(weights, max_code_length)
+  if every_letter:  # huffman.py's model tables: the same lengths, checks and cache
+    lengths = huffman._model_code_lengths(weights, pairs=False, max_code_length=max_code_length,
+                                          floor=True)
+  else:
+    lengths = huffman.code_lengths(np.asarray(weights, np.float64), max_code_length)
   return lengths, huffman.canonical_codes(lengths)
 
 

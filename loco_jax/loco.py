@@ -102,13 +102,14 @@ def _probe_kernel(bits: int, scale, error_bits: int, error_scale, beta, block_si
 
 def _feedback_step(g: jax.Array, error: jax.Array, error_scales, send: LeafLayout, reset,
                    bits: int, scale, error_bits: int, error_scale, beta, block_size: int,
-                   decompressed: bool = False) -> _Feedback:
+                   decompressed: bool = False, fuse: bool = True) -> _Feedback:
   """One LoCo step on a flat float32 vector: compensate, quantize, average the error, store it.
 
   Aligned leaves go through the fused kernel (one pass over memory: a Pallas kernel on GPU and
-  TPU); the others through the same math in jnp here, with ragged blocks padded.
+  TPU); the others, and every leaf with `fuse=False` (the reference the kernels are checked
+  against), through the same math in jnp here, with ragged blocks padded.
   """
-  if _fusable(g.size, send, scale, error_scale, beta, block_size):
+  if fuse and _fusable(g.size, send, scale, error_scale, beta, block_size):
     out = kernels.compress_step(g, error, error_scales, bits=bits, error_bits=error_bits,
                                 beta=float(beta), reset=reset, block_size=block_size,
                                 decompressed=decompressed)
@@ -126,6 +127,16 @@ def _feedback_step(g: jax.Array, error: jax.Array, error_scales, send: LeafLayou
   new_scales = None if residual.scales is None else residual.scales[0]
   return _Feedback(sent, comm.from_rows(residual.codes, own), new_scales,
                    jnp.all(jnp.isfinite(g)), d if decompressed else None)
+
+
+def _reference_step(g: jax.Array, error: jax.Array, error_scale: jax.Array, reset,
+                    bits: int = 4, error_bits: int = 8, beta: float = 0.8,
+                    block_size: int = 2048) -> _Feedback:
+  """Local-mode LoCo step in plain jnp, never fused: what kernels.compress_step is checked
+  against (`loco()` itself takes the kernel for such leaves)."""
+  return _feedback_step(g, error, error_scale, comm.leaf_layout(g.size, 1, block_size), reset,
+                        bits, None, error_bits, None, beta, block_size, decompressed=True,
+                        fuse=False)
 
 
 def _is_due(count: jax.Array, reset_interval: int) -> jax.Array:

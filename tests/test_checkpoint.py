@@ -58,6 +58,20 @@ def _finish(procs: list[subprocess.Popen], logs: list[Path], timeout: float = TI
     pytest.fail(f"return codes {[p.returncode for p in procs]}\n{_logs(logs)}")
 
 
+def _kill_when(proc: subprocess.Popen, ready, what: str, log: Path) -> None:
+  """SIGKILLs `proc` as soon as `ready()` holds; fails if it ends or hangs before."""
+  deadline = time.monotonic() + TIMEOUT_S
+  try:
+    while not ready():
+      if proc.poll() is not None or time.monotonic() > deadline:
+        pytest.fail(f"the process ended or hung before {what}\n{_logs([log])}")
+      time.sleep(0.01)
+  finally:
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+  assert proc.returncode == -signal.SIGKILL
+
+
 def _free_port() -> int:
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
@@ -126,17 +140,9 @@ def test_sigkill_then_resume_continues_bit_for_bit(uninterrupted, tmp_path, cach
           "--ckpt-dir", str(ckpt), "--ckpt-every", str(EVERY)]
   log = tmp_path / "killed.log"
   proc = _start([*argv, "--step-delay", "0.25"], log, cache)
-  deadline = time.monotonic() + TIMEOUT_S
-  try:
-    while not (tmp_path / "killed.txt").exists() or "\n12 " not in (
-        "\n" + (tmp_path / "killed.txt").read_text()):
-      if proc.poll() is not None or time.monotonic() > deadline:
-        pytest.fail(f"the worker ended or hung before logging step 12\n{_logs([log])}")
-      time.sleep(0.02)
-  finally:
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-  assert proc.returncode == -signal.SIGKILL
+  losses = tmp_path / "killed.txt"
+  _kill_when(proc, lambda: losses.exists() and "\n12 " in "\n" + losses.read_text(),
+             "logging step 12", log)
   killed = _read_losses(tmp_path / "killed.txt")
   assert max(killed) < 15 and checkpoint.latest_step(ckpt) == 10, (killed, _listing(ckpt))
   assert all(killed[k] == a[k] for k in killed)
@@ -185,19 +191,10 @@ def test_kill_during_save_leaves_previous_checkpoint(tmp_path, cache):
   """SIGKILL while 128 MiB of random floats are being written: step 1 stays the checkpoint."""
   ckpt, log, n = tmp_path / "ckpt", tmp_path / "saver.log", 2**23  # 4 leaves x 32 MiB
   proc = _start(["-c", _SAVER, str(ckpt), str(n)], log, cache)
-  deadline = time.monotonic() + TIMEOUT_S
-  try:
-    while True:
-      partial = list(ckpt.glob("2.orbax-checkpoint-tmp*"))
-      if partial and _bytes_under(partial[0]) > 8 * 2**20:
-        break
-      if proc.poll() is not None or time.monotonic() > deadline:
-        pytest.fail(f"the saver ended or hung before writing step 2\n{_logs([log])}")
-      time.sleep(0.01)
-  finally:
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-  assert proc.returncode == -signal.SIGKILL
+  unfinished = lambda: list(ckpt.glob("2.orbax-checkpoint-tmp*"))
+  _kill_when(proc, lambda: any(_bytes_under(d) > 8 * 2**20 for d in unfinished()),
+             "writing step 2", log)
+  partial = unfinished()
   assert not (ckpt / "2").exists(), "step 2 was committed before the kill; use a bigger state"
   assert partial[0].exists()  # the half-written step is still on disk, and ignored:
   assert checkpoint.latest_step(ckpt) == 1

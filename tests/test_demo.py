@@ -4,12 +4,11 @@ import contextlib
 import io
 import json
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from loco_jax import cli, demo
+from loco_jax import cli, demo, files
 
 TINY = ["--steps", "4", "--d-model", "64", "--layers", "1", "--heads", "4", "--batch", "1",
         "--seq-len", "16", "--eval-batches", "2"]
@@ -109,9 +108,9 @@ def test_interrupted_demo_writes_nothing(tmp_path, monkeypatch, capsys):
 
 def test_json_write_is_atomic(tmp_path):
   path = tmp_path / "results.json"
-  demo.write_json_atomic(path, [{"method": "none"}])
+  files.write_json_atomic(path, [{"method": "none"}])
   with pytest.raises(TypeError):  # fails halfway through serializing
-    demo.write_json_atomic(path, [{"method": "loco4"}, {"bad": object()}])
+    files.write_json_atomic(path, [{"method": "loco4"}, {"bad": object()}])
   assert json.loads(path.read_text()) == [{"method": "none"}]
   assert [p.name for p in tmp_path.iterdir()] == ["results.json"]
 

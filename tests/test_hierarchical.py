@@ -67,3 +67,16 @@ def test_bad_arguments():
     two_hop(intra="ring")
   with pytest.raises(ValueError, match="differ"):
     two_hop("x", "x")
+
+
+@pytest.mark.parametrize("intra", ["reduce_scatter", "loco"])
+def test_non_finite_gradient_on_one_device_outputs_nan_and_keeps_state(intra):
+  # block_size 1024: "w" is whole blocks on every local device, so hop 1 takes the fused step.
+  step, state = _step(two_hop(intra=intra, block_size=1024))
+  _, state = step(_grads(0), state)
+  bad = _grads(1)
+  bad["w"] = bad["w"].at[1, 2, 5, 7].set(jnp.inf)
+  out, after = step(bad, state)
+  assert all(np.all(np.isnan(np.asarray(x))) for x in jax.tree.leaves(out))
+  jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)),
+               after, state)

@@ -1,11 +1,14 @@
 """kernels: the fused compress step and dequantize_mean against loco, numpy, and each other."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from loco_jax import kernels, loco, quant
+from loco_jax import kernels, quant
+from loco_jax.loco import _reference_step
 
 BLOCK = 2048
 F32 = np.float32
@@ -66,16 +69,29 @@ def _jit_step(implementation: str, **options):
       g, e, s, reset=reset, decompressed=True, implementation=implementation, **options))
 
 
+class _UnfusedLoco:
+  """loco's own (unfused) local step with its state: what the kernels are checked against,
+  since loco() itself runs the kernel for whole-block leaves."""
+
+  def __init__(self, blocks: int, bits: int = 4):
+    self.error = jnp.zeros(blocks * BLOCK, jnp.int8)
+    self.error_scale = jnp.zeros(blocks, F32)
+    self.step = jax.jit(functools.partial(_reference_step, bits=bits))
+
+  def update(self, g, reset):
+    out = self.step(g, self.error, self.error_scale, reset)
+    self.error, self.error_scale = out.error, out.error_scale
+    return out.decompressed
+
+
 @pytest.mark.parametrize("blocks,bits", [(1, 4), (40, 4), (6, 8)])
 def test_jnp_path_equals_loco_bit_for_bit(blocks, bits):
-  opt = loco(bits=bits, reset_interval=1)  # reset every step: the error is zero at each step
-  state = opt.init(jnp.zeros(blocks * BLOCK))
-  update = jax.jit(opt.update)
+  state = _UnfusedLoco(blocks, bits)
   step = _jit_step("jnp", bits=bits)
-  for k in range(3):
+  for k in range(3):  # reset every step: the error is zero at each step
     g = jnp.asarray(_exact_product_gradients(k, blocks, bits))
     out = step(g, state.error, state.error_scale, jnp.bool_(k > 0))
-    want, state = update(g, state)
+    want = state.update(g, jnp.bool_(k > 0))
     np.testing.assert_array_equal(np.asarray(out.decompressed), np.asarray(want))
     np.testing.assert_array_equal(np.asarray(out.error), np.asarray(state.error))
     np.testing.assert_array_equal(np.asarray(out.error_scale), np.asarray(state.error_scale))
@@ -86,14 +102,12 @@ def test_jnp_path_tracks_loco_on_general_data():
   """With a live error, loco's XLA program contracts some multiply-adds into FMAs and the
   kernel does not (see kernels._sealed): at most a last-bit difference, rarely a code by one."""
   blocks = 64
-  opt = loco(reset_interval=3)
-  state = opt.init(jnp.zeros(blocks * BLOCK))
-  update = jax.jit(opt.update)
+  state = _UnfusedLoco(blocks)
   step = _jit_step("jnp")
   for k in range(4):
     g = jnp.asarray(_gradients(k, blocks))
     out = step(g, state.error, state.error_scale, jnp.bool_(k == 3))
-    want, state = update(g, state)
+    want = state.update(g, jnp.bool_(k == 3))
     np.testing.assert_array_equal(np.asarray(out.decompressed), np.asarray(want))
     codes = np.asarray(out.error).astype(int) - np.asarray(state.error)
     assert np.abs(codes).max() <= 1 and np.mean(codes != 0) < 1e-4

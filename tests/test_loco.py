@@ -8,7 +8,6 @@ import numpy as np
 import optax
 import pytest
 
-import loco_jax
 from loco_jax import kernels, loco
 
 
