@@ -26,6 +26,7 @@ HEADER_BYTES = 200
 LANE_TABLE_BYTES_PER_SYMBOL = 2 / huffman._LANE_LETTERS
 MIN_BETA = 0.35           # below it p(beta) is not a fit any more
 SATURATION_QUANTILE = 0.99
+_F32_MAX = float(np.finfo(np.float32).max)
 
 
 class Co3State(NamedTuple):
@@ -76,10 +77,24 @@ def _host(fn, result, *args):
   return buffer_callback(run, result)(*args)
 
 
+def _absmax_scale(fmt: fp.FloatFormat, absmax, fallback):
+  """max_value / absmax inside fp.scale_range (numpy or jnp); `fallback` where absmax is 0."""
+  xp = jnp if isinstance(absmax, jax.Array) else np
+  low, high = fp.scale_range(fmt)
+  with np.errstate(divide="ignore", over="ignore"):  # absmax 0: replaced by the fallback
+    scale = xp.clip(fp.max_value(fmt) / absmax, low, high).astype(np.float32)
+  return xp.where(absmax > 0, scale, fallback)
+
+
 def _fit_scales(fmt: fp.FloatFormat, sizes: tuple[int, ...], previous: np.ndarray,
-                samples: np.ndarray) -> np.ndarray:
-  """Host side: one GenNorm fit per leaf; a leaf that cannot be fitted keeps its scale."""
+                absmax: np.ndarray, samples: np.ndarray) -> np.ndarray:
+  """Host side: one GenNorm fit per leaf, inside fp.scale_range.
+
+  A leaf that cannot be fitted (fewer than two non-zero sampled values) takes the absmax
+  scale of the whole leaf, or keeps its scale if the leaf is all zeros.
+  """
   scales, start = np.array(previous, np.float32), 0
+  low, high = fp.scale_range(fmt)
   for i, n in enumerate(sizes):
     x = samples[start:start + n]
     start += n
@@ -88,15 +103,16 @@ def _fit_scales(fmt: fp.FloatFormat, sizes: tuple[int, ...], previous: np.ndarra
     x = x[x != 0]
     try:
       fit = gennorm.fit(x)
-    except ValueError:  # all zeros, a single value, or non-finite: keep the last scale
+    except ValueError:  # all zeros or a single value: nothing to fit
+      scales[i] = _absmax_scale(fmt, np.float32(absmax[i]), scales[i])
       continue
     # Where the data are heavier-tailed than the fit (tiny beta), cap the scale so that at
     # most 1% of the values saturate.
     tail = np.quantile(np.abs(x), SATURATION_QUANTILE)
     cap = fp.max_value(fmt) / tail if tail > 0 else np.inf
-    scale = min(fitted_scale(fmt, fit.beta, fit.alpha), cap)
-    if np.isfinite(scale) and 0 < scale < np.finfo(np.float32).max:
-      scales[i] = scale
+    # Clipped so that no level overflows on the way back, nor the scale underflows (fp8's
+    # 1 / alpha of data near float32's maximum would be a denormal, flushed to 0).
+    scales[i] = np.clip(min(fitted_scale(fmt, fit.beta, fit.alpha), cap), low, high)
   return scales
 
 
@@ -144,7 +160,11 @@ def _decoded(data: bytes, total: int) -> concurrent.futures.Future:
   entry, first = _claim((data, total))
   if first:
     try:
-      entry.set_result(huffman.decode(data, max_symbols=total))
+      symbols = huffman.decode(data, max_symbols=total)
+      if symbols.size != total:  # numpy would broadcast a lone symbol over the whole row
+        raise ValueError(f"co3: a peer's stream holds {symbols.size} symbols, this step's "
+                         f"row holds {total}: the peer coded other gradients.")
+      entry.set_result(symbols)
     except Exception as e:  # noqa: BLE001 - every thread gets the same ValueError
       entry.set_exception(e)
   return entry
@@ -192,7 +212,22 @@ def co3(
   raw symbols in a second, conditional all-gather that step, so no data is ever lost; such
   steps are counted in `state.overflows`. Without `entropy_code` the raw symbols are gathered.
 
-  A non-finite gradient (on any device) makes every output NaN and leaves the state unchanged.
+  A leaf with fewer than two non-zero values (a scalar, a one-hot gradient) has no shape to
+  fit: its scale is max_value(fmt) / max|a| every step, so its output tracks it.
+
+  Finite in, finite out: a finite gradient never yields a non-finite output or state. a is
+  computed saturating at float32's largest finite value, scales stay in
+  fp.scale_range(fmt) (so q is finite and never flushed to 0; fp4 therefore tops out at
+  3 * 2**126 = 2.6e38, beyond which values saturate), the average over devices
+  divides before it sums, and the output saturates at the largest finite value of each
+  leaf's dtype (fp16: 65504) before the cast back. NaN output is reserved for non-finite
+  input: a non-finite gradient (on any device) makes every output NaN and leaves the state
+  unchanged.
+
+  A peer stream that does not decode to exactly this step's symbol count (corrupt, or coded
+  for another shape) raises ValueError in the host callback; the step fails with a
+  jax.errors.JaxRuntimeError carrying that message, never with a silently changed average.
+  A gradient tree that does not match the state raises ValueError naming the leaf.
 
   Example:
     >>> opt = optax.chain(loco_jax.co3("fp4", gamma=0.7), optax.sgd(0.1))
@@ -223,25 +258,27 @@ def co3(
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
-    leaves, treedef = jax.tree.flatten(updates)
-    errors = treedef.flatten_up_to(state.error)
-    scales = treedef.flatten_up_to(state.scale)
+    leaves, treedef, errors, scales = _flatten_matching(updates, state)
     chosen = [i for i, g in enumerate(leaves) if _compressible(g)]
     if not chosen:
       return updates, state
-    compensated = [leaves[i].reshape(-1).astype(jnp.float32) + gamma * errors[i]
-                   for i in chosen]
-    finite, flag = _nonfinite_flag(compensated, range(len(compensated)))
+    # Saturating: g + gamma * e may exceed float32 for finite g near its maximum.
+    compensated = [jnp.clip(leaves[i].reshape(-1).astype(jnp.float32) + gamma * errors[i],
+                            -_F32_MAX, _F32_MAX) for i in chosen]
+    finite, flag = _nonfinite_flag(leaves, chosen)
 
     sizes = tuple(a.size for a in compensated)
     old_scales = jnp.concatenate([scales[i] for i in chosen])
+    absmax = jnp.stack([jnp.max(jnp.abs(a)) for a in compensated])
     # A callback's result is typed replicated; under an axis it is this device's own.
     own = (lambda x: x) if axis_name is None else (
         lambda x: jax.lax.pcast(x, axis_name, to="varying"))
-    new_scales = jax.lax.cond(
+    fitted = jax.lax.cond(
         state.count % refit_interval == 0,
-        lambda: own(_refit(small_float, compensated, old_scales)),
+        lambda: own(_refit(small_float, compensated, old_scales, absmax)),
         lambda: old_scales)
+    unfittable = jnp.stack([jnp.count_nonzero(a) < 2 for a in compensated])
+    new_scales = jnp.where(unfittable, _absmax_scale(small_float, absmax, fitted), fitted)
     symbols = jnp.concatenate([fp.encode(a, small_float, s)
                                for a, s in zip(compensated, new_scales)])
     total = symbols.size
@@ -290,13 +327,14 @@ def co3(
         peer_symbols = _gather_raw(symbols, small_float, axis_name)
       values = _decode_leaves(peer_symbols, peer_scales, sizes, small_float)
       sent = [v[0] for v in _decode_leaves(symbols[None], new_scales[None], sizes, small_float)]
-      values = [v.mean(axis=0) for v in values]
+      values = [(v / v.shape[0]).sum(axis=0) for v in values]  # divided first: no overflow
 
     flag_out = _flag(finite)
     out, new_errors, new_scale_leaves = list(leaves), list(errors), list(scales)
     for j, i in enumerate(chosen):
       g = leaves[i]
-      out[i] = (values[j] + flag_out).reshape(g.shape).astype(g.dtype)
+      largest = float(jnp.finfo(g.dtype).max)  # saturate, never cast to inf (fp16: 65504)
+      out[i] = jnp.clip(values[j] + flag_out, -largest, largest).reshape(g.shape).astype(g.dtype)
       new_errors[i] = jnp.where(finite, compensated[j] - sent[j], errors[i])
       new_scale_leaves[i] = jnp.where(finite, new_scales[j:j + 1], scales[i])
     return treedef.unflatten(out), Co3State(
@@ -309,13 +347,33 @@ def co3(
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _refit(fmt: fp.FloatFormat, compensated: list[jax.Array], old_scales: jax.Array) -> jax.Array:
+def _flatten_matching(updates, state: Co3State):
+  """(leaves, treedef, errors, scales); ValueError naming the first leaf the state does not fit."""
+  paths_and_leaves, treedef = jax.tree_util.tree_flatten_with_path(updates)
+  try:
+    errors = treedef.flatten_up_to(state.error)
+    scales = treedef.flatten_up_to(state.scale)
+  except (ValueError, TypeError) as e:
+    raise ValueError(f"co3: the gradient tree does not match the state's (init's params): "
+                     f"{e}") from None
+  for (path, g), error in zip(paths_and_leaves, errors):
+    expected = (g.size if _compressible(g) else 0,)
+    if error.shape != expected:
+      raise ValueError(
+          f"co3: gradient leaf {jax.tree_util.keystr(path)} has shape {tuple(g.shape)} "
+          f"({g.dtype}) but the state holds an error of shape {tuple(error.shape)} for it "
+          f"(expected {expected}): pass gradients shaped like the params given to init.")
+  return [g for _, g in paths_and_leaves], treedef, errors, scales
+
+
+def _refit(fmt: fp.FloatFormat, compensated: list[jax.Array], old_scales: jax.Array,
+           absmax: jax.Array) -> jax.Array:
   """New per-leaf scales from one host callback over strided samples of every leaf."""
   samples = [a[:: max(1, a.size // FIT_SAMPLES)][:FIT_SAMPLES] for a in compensated]
   sizes = tuple(s.size for s in samples)
   return _host(functools.partial(_fit_scales, fmt, sizes),
-                           jax.ShapeDtypeStruct(old_scales.shape, jnp.float32),
-                           old_scales, jnp.concatenate(samples))
+               jax.ShapeDtypeStruct(old_scales.shape, jnp.float32),
+               old_scales, absmax, jnp.concatenate(samples))
 
 
 def _decode_leaves(symbols_DxT: jax.Array, scales_DxL: jax.Array, sizes: tuple[int, ...],

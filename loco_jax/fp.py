@@ -98,13 +98,49 @@ def _array_module(*arrays: ArrayLike):
   return jnp if any(isinstance(a, jax.Array) for a in arrays) else np
 
 
-def _check_scale(scale: ArrayLike) -> None:
+@functools.lru_cache(maxsize=None)
+def scale_range(fmt: FloatFormat, dtype: Any = np.float32) -> tuple[float, float]:
+  """(smallest, largest) scale whose dequantized levels `level * (1 / scale)` are finite normal
+  numbers of `dtype`, and so is the scale itself.
+
+  XLA on CPU flushes denormals to zero, which would turn 1 / scale into inf (and 0 * inf into
+  NaN) or a small level into 0; above the range the largest level overflows. jax arrays are
+  not checked (they may be traced): callers clip into this range, as co3 does.
+
+  Example:
+    >>> scale_range(FP4)  # 2**-126 and 2**125: level 0.5 * 2**-125 is still normal
+    (1.1754943508222875e-38, 4.253529586511731e+37)
+  """
+  dtype = np.dtype(dtype)
+  info = np.finfo(dtype)
+  smallest_level = dtype.type(_levels(fmt)[1])  # a power of two, as is tiny: high is exact
+  high = min(smallest_level, dtype.type(1.0)) / info.tiny
+  low = max(info.tiny, dtype.type(max_value(fmt) / float(info.max)))
+  with np.errstate(over="ignore"):
+    # Up to the first scale whose largest level comes back finite, then one ulp of margin
+    # for a backend that divides instead of multiplying by the reciprocal.
+    while not np.isfinite(dtype.type(max_value(fmt)) * (dtype.type(1.0) / low)):
+      low = np.nextafter(low, dtype.type(np.inf))
+  if low > info.tiny:
+    low = np.nextafter(low, dtype.type(np.inf))
+  return float(low), float(high)
+
+
+def _check_scale(scale: ArrayLike, fmt: FloatFormat | None = None,
+                 dtype: Any = np.float32) -> None:
+  """ValueError unless scale is positive, finite and, given fmt, inside scale_range."""
   if isinstance(scale, jax.Array):
     return  # may be traced: cannot be checked without a host round trip
   values = np.asarray(scale, dtype=np.float64)
   if not (np.all(np.isfinite(values)) and np.all(values > 0)):
     raise ValueError(f"scale must be positive and finite (a number or an array broadcastable "
                      f"to x), got {scale!r}.")
+  if fmt is not None:
+    low, high = scale_range(fmt, dtype)
+    if not (np.all(values >= low) and np.all(values <= high)):
+      raise ValueError(f"scale must be positive and finite, in [{low:.6g}, {high:.6g}] for "
+                       f"{fmt} with {np.dtype(dtype).name} values (outside, level / scale "
+                       f"overflows or 1 / scale underflows), got {scale!r}.")
 
 
 def _scaled_grid(x: ArrayLike, fmt: FloatFormat, scale: ArrayLike):
@@ -113,14 +149,15 @@ def _scaled_grid(x: ArrayLike, fmt: FloatFormat, scale: ArrayLike):
   |x| * scale, saturated at max, is rounded to n * 2**(exponent - m) with n an integral float in
   [0, 2**(m + 1)]: the level grid of its binade (subnormals share the lowest normal binade).
   """
-  _check_scale(scale)
   xp = _array_module(x, scale)
   x = xp.asarray(x)
   compute_dtype = np.float64 if x.dtype == np.float64 else np.float32
+  _check_scale(scale, fmt, compute_dtype)
   x = x.astype(compute_dtype)
   scale = xp.asarray(scale, compute_dtype)
   # min() saturates +inf (and finite overflow) at max; NaN is zeroed here, restored by callers.
-  y = xp.minimum(xp.abs(x) * scale, max_value(fmt))
+  with np.errstate(over="ignore"):  # an overflow to inf saturates like any large value
+    y = xp.minimum(xp.abs(x) * scale, max_value(fmt))
   y = xp.where(xp.isnan(y), 0.0, y).astype(compute_dtype)
   _, frexp_exponent = xp.frexp(y)  # y = f * 2**k with f in [0.5, 1): floor(log2 y) = k - 1
   # Below the smallest normal (zero included, whose frexp exponent is 0) the grid is the
@@ -143,7 +180,8 @@ def quantize(x: ArrayLike, fmt: FloatFormat, scale: ArrayLike = 1.0) -> ArrayLik
   Args:
     x: values to round.
     fmt: the small-float format, e.g. FP4.
-    scale: positive finite multiplier, a number or an array broadcastable to x.
+    scale: positive finite multiplier, a number or an array broadcastable to x, inside
+      scale_range(fmt, dtype) (float64 for float64 x, else float32); ValueError outside.
 
   Example:
     >>> quantize(np.array([0.2, 0.8, 2.6, 100.0], np.float32), FP4)
@@ -190,13 +228,13 @@ def decode(symbols: ArrayLike, fmt: FloatFormat, scale: ArrayLike = 1.0) -> Arra
 
   Symbols that encode never makes for finite input decode to NaN: negative zero (the NaN
   symbol of jit-side encode), the reserved all-ones exponent and, for formats of fewer than
-  8 bits, values >= 2**fmt.bits.
+  8 bits, values >= 2**fmt.bits. A numpy or Python `scale` must lie in scale_range(fmt).
 
   Example:
     >>> decode(np.array([1, 13, 5], np.uint8), FP4)
     array([ 0.5, -3. ,  3. ], dtype=float32)
   """
-  _check_scale(scale)
+  _check_scale(scale, fmt)
   xp = _array_module(symbols, scale)
   table = xp.asarray(_decode_table(fmt))
   symbols = xp.asarray(symbols)

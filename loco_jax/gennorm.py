@@ -14,9 +14,13 @@ ArrayLike = Any  # numpy or jax array
 
 # Shapes the fit searches: 0.05 is a spike at zero, 20 is close to uniform.
 BETA_RANGE = (0.05, 20.0)
+# Shapes the distribution functions accept: beyond them 1/beta or beta overflows the special
+# functions' float64 arithmetic, and no gradient is that shape.
+BETA_LIMITS = (1e-3, 1e3)
 _EPS = 1e-15
 _TINY = 1e-300
 _MAX_ITERATIONS = 2000
+_MAX_DOUBLINGS = 1100  # past float64's largest number
 
 
 class GenNormFit(NamedTuple):
@@ -29,12 +33,31 @@ class GenNormFit(NamedTuple):
   loc: float
 
 
+def _check_parameters(beta: float | None, alpha: float | None, loc: float = 0.0) -> None:
+  """ValueError naming the first parameter outside its accepted range (None: not checked)."""
+  low, high = BETA_LIMITS
+  checks = (("beta", beta, lambda b: low < b <= high, f"finite, in ({low:g}, {high:g}]"),
+            ("alpha", alpha, lambda a: 0 < a < math.inf, "finite and > 0"),
+            ("loc", loc, math.isfinite, "finite"))
+  for name, value, accepted, description in checks:
+    if value is None or isinstance(value, jax.core.Tracer):
+      continue  # not given, or under jit (sample with a jax key): cannot be checked
+    try:
+      number = float(value)
+    except (TypeError, ValueError):
+      raise ValueError(f"{name} must be a real number, got {value!r}.") from None
+    if not accepted(number):  # NaN fails every comparison
+      raise ValueError(f"{name} must be {description}, got {value!r}.")
+
+
 # ----------------------------------------------------------------------------------------------
 # Special functions (numpy only: scipy is not a dependency).
 
 
 def _digamma(x: float) -> float:
   """psi(x) for x > 0: recurrence up to x >= 6, then the asymptotic series (error ~1e-15)."""
+  if not 0 < x < math.inf:  # the recurrence below would never end for x <= -2**53
+    raise ValueError(f"digamma is computed for finite x > 0, got {x!r}.")
   shift = 0.0
   while x < 10.0:
     shift -= 1.0 / x
@@ -46,6 +69,8 @@ def _digamma(x: float) -> float:
 
 def _trigamma(x: float) -> float:
   """psi'(x) for x > 0, same scheme as _digamma."""
+  if not 0 < x < math.inf:
+    raise ValueError(f"trigamma is computed for finite x > 0, got {x!r}.")
   shift = 0.0
   while x < 10.0:
     shift += 1.0 / (x * x)
@@ -115,12 +140,16 @@ def _gammainc(a: float, x: ArrayLike) -> tuple[np.ndarray, np.ndarray]:
 def cdf(x: ArrayLike, beta: float, alpha: float, loc: float = 0.0) -> np.ndarray:
   """GenNorm cumulative distribution at x (float64, accurate in both tails).
 
+  beta must be in BETA_LIMITS, alpha > 0 and loc finite (ValueError otherwise).
+
   Example:
     >>> float(cdf(0.0, 1.3, 2.0))
     0.5
   """
-  z = (np.asarray(x, np.float64) - loc) / alpha
-  p, q = _gammainc(1.0 / beta, np.abs(z) ** beta)
+  _check_parameters(beta, alpha, loc)
+  with np.errstate(over="ignore"):  # z**beta = inf is the tail: P = 1, Q = 0
+    z = (np.asarray(x, np.float64) - loc) / alpha
+    p, q = _gammainc(1.0 / beta, np.abs(z) ** beta)
   return np.where(z >= 0, 0.5 + 0.5 * p, 0.5 * q)
 
 
@@ -129,11 +158,14 @@ def ppf(quantile: ArrayLike, beta: float, alpha: float, loc: float = 0.0) -> np.
 
   With t = (|x - loc| / alpha)**beta and a = 1 / beta, P(a, t) = |2 quantile - 1|. t is read off
   a log-log table of P (or of Q in the upper tail) and polished by Newton steps in log t.
+  beta must be in BETA_LIMITS, alpha > 0 and loc finite (ValueError otherwise); quantiles
+  outside [0, 1] (or NaN) give NaN.
 
   Example:
     >>> float(ppf(0.5, 0.7, 1.0))
     0.0
   """
+  _check_parameters(beta, alpha, loc)
   quantile = np.asarray(quantile, np.float64)
   a = 1.0 / beta
   p = np.abs(2.0 * quantile - 1.0)
@@ -142,7 +174,8 @@ def ppf(quantile: ArrayLike, beta: float, alpha: float, loc: float = 0.0) -> np.
   t = np.where(upper_mass == 0, np.inf, 0.0)
   if solvable.any():
     t[solvable] = _solve_gammainc(a, p[solvable], upper_mass[solvable])
-  magnitude = alpha * t ** (1.0 / beta)
+  with np.errstate(over="ignore"):  # a quantile beyond float64 is +-inf
+    magnitude = alpha * t ** (1.0 / beta)
   x = loc + np.where(quantile < 0.5, -magnitude, magnitude)
   return np.where((quantile >= 0) & (quantile <= 1), x, np.nan)
 
@@ -150,10 +183,15 @@ def ppf(quantile: ArrayLike, beta: float, alpha: float, loc: float = 0.0) -> np.
 def _solve_gammainc(a: float, p: np.ndarray, q: np.ndarray) -> np.ndarray:
   """t with P(a, t) = p (equivalently Q(a, t) = q = 1 - p), for 0 < p < 1."""
   # Table bounds: P ~ t**a / Gamma(a + 1) near 0; Q decays like exp(-t) far out.
-  t_low = max((p.min() * math.exp(math.lgamma(a + 1.0))) ** (1.0 / a) * 0.25, _TINY)
+  log_t_low = (math.log(p.min()) + math.lgamma(a + 1.0)) / a + math.log(0.25)  # no overflow
+  t_low = max(math.exp(log_t_low), _TINY)
   t_high = max(4.0 * a, 4.0)
-  while _gammainc(a, t_high)[1] > 0.25 * q.min():
+  for _ in range(_MAX_DOUBLINGS):  # Q(a, t) < exp(-t / 2) far out: a few doublings past a
+    if not _gammainc(a, t_high)[1] > 0.25 * q.min():
+      break
     t_high *= 2.0
+  else:
+    raise ValueError(f"ppf found no upper bracket for a = 1/beta = {a} (q = {q.min()}).")
   log_t = np.linspace(math.log(t_low), math.log(t_high), 4096)
   table_p, table_q = _gammainc(a, np.exp(log_t))
   lower = p <= 0.5  # solve on log P below the median of |X|, on log Q above
@@ -180,12 +218,13 @@ def sample(key_or_rng: Any, beta: float, alpha: float, shape: tuple[int, ...],
   """GenNorm samples: |x - loc| = alpha * G**(1/beta), G ~ Gamma(1/beta), random sign.
 
   A jax PRNG key gives a float32 jax array; a numpy Generator or an int seed gives a float64
-  numpy array.
+  numpy array. beta must be in BETA_LIMITS, alpha > 0 and loc finite (ValueError otherwise).
 
   Example:
     >>> sample(np.random.default_rng(0), 0.7, 1e-3, (1000,)).shape
     (1000,)
   """
+  _check_parameters(beta, alpha, loc)
   if isinstance(key_or_rng, jax.Array):
     gamma_key, sign_key = jax.random.split(key_or_rng)
     g = jax.random.gamma(gamma_key, 1.0 / beta, shape)
@@ -210,12 +249,13 @@ def fit(x: ArrayLike, loc: float | None = 0.0, beta: float | None = None) -> Gen
   beta is kept in BETA_RANGE.
 
   Args:
-    x: samples (any shape; numpy or jax). Must be finite, with at least two non-zero |x - loc|.
-    loc: the centre; None estimates it by the median.
-    beta: a fixed shape (2.0 fits a normal, 1.0 a Laplace); None fits it.
+    x: samples (any shape; numpy or jax). Must be finite, with at least two non-zero |x - loc|,
+      and a spread alpha that is a normal float64 (data of denormals raise ValueError).
+    loc: the centre, finite; None estimates it by the median.
+    beta: a fixed shape in BETA_LIMITS (2.0 fits a normal, 1.0 a Laplace); None fits it.
 
   Example:
-    >>> fit(sample(np.random.default_rng(0), 0.7, 1e-3, (100_000,)))  # doctest: +SKIP
+    >>> fit(sample(np.random.default_rng(0), 0.7, 1e-3, (100_000,)))  # doctest: +ELLIPSIS
     GenNormFit(beta=0.70..., alpha=0.0010..., loc=0.0)
   """
   x = np.asarray(x, np.float64).ravel()
@@ -224,9 +264,14 @@ def fit(x: ArrayLike, loc: float | None = 0.0, beta: float | None = None) -> Gen
                      f"of {x.size}.")
   if x.size < 2:
     raise ValueError(f"fit needs at least 2 values, got {x.size}.")
+  if loc is not None:
+    _check_parameters(beta=None, alpha=None, loc=loc)
   loc = float(np.median(x)) if loc is None else float(loc)
-  z = np.abs(x - loc)
+  with np.errstate(over="ignore"):
+    z = np.abs(x - loc)
   unit = z.max() if z.size else 0.0
+  if not math.isfinite(unit):
+    raise ValueError(f"fit needs |x - loc| to be finite in float64; it overflows for loc={loc}.")
   if np.count_nonzero(z) < 2:
     raise ValueError(f"fit needs at least 2 values different from loc={loc}; got "
                      f"{np.count_nonzero(z)} of {x.size}.")
@@ -234,9 +279,16 @@ def fit(x: ArrayLike, loc: float | None = 0.0, beta: float | None = None) -> Gen
   z = z / unit
   if beta is None:
     beta = _likelihood_beta(z, start=_moment_beta(z))
-  elif not (beta > 0 and math.isfinite(beta)):
-    raise ValueError(f"beta must be positive and finite or None (fit it), got {beta!r}.")
-  alpha = (beta * np.mean(z ** beta)) ** (1.0 / beta) * unit
+  elif not (BETA_LIMITS[0] < beta <= BETA_LIMITS[1]):  # False for NaN too
+    raise ValueError(f"beta must be positive and finite, in ({BETA_LIMITS[0]:g}, "
+                     f"{BETA_LIMITS[1]:g}], or None (fit it), got {beta!r}.")
+  with np.errstate(over="ignore", under="ignore"):
+    alpha = (beta * np.mean(z ** beta)) ** (1.0 / beta) * unit
+  if not np.finfo(np.float64).tiny <= alpha < math.inf:
+    raise ValueError(f"fit needs data whose spread is a normal float64 (alpha in "
+                     f"[{np.finfo(np.float64).tiny:.3g}, {np.finfo(np.float64).max:.3g}]); "
+                     f"these data give alpha = {float(alpha)!r} (max |x - loc| = "
+                     f"{float(unit)!r}).")
   return GenNormFit(float(beta), float(alpha), loc)
 
 
@@ -299,13 +351,20 @@ def fp4_scale(beta: ArrayLike, alpha: ArrayLike) -> ArrayLike:
   """CO3's MSE-optimal fp4 scale p(beta) / alpha, p(b) = 0.46 - 2.85b + 5.37b^2 - 2.85b^3 + 0.52b^4.
 
   p is floored at 0.0009; it is a fit meant for beta >= ~0.35 (p(0.5) = 0.054, p(1) = 0.65,
-  p(2) = 1.76). Works on numbers, numpy and jax arrays.
+  p(2) = 1.76). Works on numbers, numpy and jax arrays; numbers and numpy arrays must have
+  beta >= 0 and alpha > 0, finite (ValueError otherwise; jax arrays are not checked).
 
   Example:
     >>> round(fp4_scale(1.0, 2.0), 3)
     0.325
   """
   xp = fp._array_module(beta, alpha)  # pylint: disable=protected-access
+  if xp is np:  # the polynomial is defined at beta = 0; the scale needs alpha > 0
+    for name, value, smallest in (("beta", beta, ">= 0"), ("alpha", alpha, "> 0")):
+      values = np.asarray(value, np.float64)
+      if not (np.all(np.isfinite(values)) and np.all(values > 0 if name == "alpha" else
+                                                         values >= 0)):
+        raise ValueError(f"fp4_scale needs {name} finite and {smallest}, got {value!r}.")
   p = 0.46 + beta * (-2.85 + beta * (5.37 + beta * (-2.85 + beta * 0.52)))
   scale = xp.maximum(p, 0.0009) / alpha
   return float(scale) if xp is np and np.ndim(scale) == 0 else scale
@@ -322,11 +381,13 @@ def symbol_probabilities(fmt: fp.FloatFormat, beta: float, alpha: float,
     >>> float(symbol_probabilities(fp.FP4, 1.0, 1.0, 0.65).sum())
     1.0
   """
-  fp._check_scale(scale)  # pylint: disable=protected-access
+  _check_parameters(beta, alpha)
+  fp._check_scale(scale, fmt, np.float64)  # pylint: disable=protected-access
   levels = fp.levels(fmt)
   # |x| in [edges[c-1], edges[c]) rounds to magnitude code c (ties have probability 0).
   edges = 0.5 * (levels[1:] + levels[:-1]) / scale
-  p, q = _gammainc(1.0 / beta, (edges / alpha) ** beta)
+  with np.errstate(over="ignore"):  # an edge beyond float64 is the tail: P = 1, Q = 0
+    p, q = _gammainc(1.0 / beta, (edges / alpha) ** beta)
   p, q = np.concatenate([[0.0], p, [1.0]]), np.concatenate([[1.0], q, [0.0]])
   # Differences of whichever of P, Q is small keep tail masses accurate.
   magnitude_mass = np.where(p[:-1] < 0.5, p[1:] - p[:-1], q[:-1] - q[1:])
@@ -341,7 +402,7 @@ def entropy_bits(fmt: fp.FloatFormat, beta: float, alpha: float, scale: float) -
   """Entropy in bits per symbol of fp.encode(x, fmt, scale) for x ~ GenNorm(beta, alpha, 0).
 
   Example:
-    >>> round(entropy_bits(fp.FP4, 1.0, 1.0, fp4_scale(1.0, 1.0)), 2)  # doctest: +SKIP
+    >>> round(entropy_bits(fp.FP4, 1.0, 1.0, fp4_scale(1.0, 1.0)), 2)
     2.78
   """
   probabilities = symbol_probabilities(fmt, beta, alpha, scale)
@@ -366,6 +427,7 @@ def wasserstein2(x: ArrayLike, dist: GenNormFit) -> float:
   x = np.sort(np.asarray(x, np.float64).ravel())
   if x.size == 0:
     raise ValueError("wasserstein2 needs a non-empty sample.")
+  _check_parameters(dist.beta, dist.alpha, dist.loc)
   model = ppf((np.arange(x.size) + 0.5) / x.size, dist.beta, dist.alpha, dist.loc)
   return float(np.sqrt(np.mean((x - model) ** 2)))
 

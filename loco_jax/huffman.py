@@ -25,7 +25,8 @@ _LANE_LETTERS = 2048
 # Streams up to this many letters are one lane: no lane table at all, decoded by pointer
 # doubling, whose cost grows with the bit count rather than with the letters per lane.
 _ONE_LANE_LETTERS = 1 << 15
-_MAX_LANE_LETTERS = 1 << 16  # bounds the decoder's Python-level steps on hostile input
+# Bits or letters the decoder's big gathers handle at once: bounds their temporaries.
+_CHUNK = 1 << 18
 # When the data holds a letter its model calls impossible, the model-derived table gives every
 # letter at least this much probability, so that all get a (long) code. Streams without such
 # letters skip the floor: it would cost a bit on the least likely letter (0.7% at fp4 beta 2).
@@ -310,11 +311,16 @@ def _encode_letters(letters: np.ndarray, symbols: np.ndarray, *, pairs: bool,
     return b"".join(header)
   header.append(bytes([max_code_length]) if probabilities is not None
                 else _pack_lengths(lengths))
-  lane_letters = letters.size if letters.size <= _ONE_LANE_LETTERS else _LANE_LETTERS
+  lane_letters = _lane_letters(letters.size)
   payload, lane_bits = _write_bits(letters, lengths, lane_letters)
   header.append(_pack_lanes(lane_letters, lane_bits))
   header.append(payload)
   return b"".join(header)
+
+
+def _lane_letters(n_letters: int) -> int:
+  """Letters per lane, as encode picks them (decode accepts nothing else)."""
+  return n_letters if n_letters <= _ONE_LANE_LETTERS else _LANE_LETTERS
 
 
 def _pack_lengths(lengths: np.ndarray) -> bytes:
@@ -416,14 +422,20 @@ def decode(data: bytes, *, max_symbols: int | None = None,
   """uint8 symbols of a stream made by encode or encode_pairs.
 
   Every stream that is not exactly one that encode could have made raises ValueError:
-  truncation, trailing bytes, corrupt tables, a payload that does not parse into the lanes
-  the header promises, or a CRC32 mismatch. Claimed sizes are checked against `max_symbols`
-  and against what the payload could hold before anything large is allocated; memory stays
-  proportional to len(data). A `data` that is not bytes-like raises TypeError.
+  truncation, trailing bytes, corrupt tables (a sent table must be the one encode derives from
+  the decoded letters' counts), lane sizes or a lane table encode would not write, a payload
+  that does not parse into the lanes the header promises, or a CRC32 mismatch. Claimed sizes
+  are checked against `max_symbols` and against what the payload could hold before anything
+  large is allocated. Peak memory is at most ~200 bytes per byte of the stream's payload plus
+  ~4 bytes per symbol and ~1 MB of lookup tables (tests/test_huffman_hostile.py measures it);
+  the payload is checked against the count first, and a stream of n symbols has at most
+  2n + 300 bytes, so memory is bounded by the caller's `max_symbols` whatever len(data) is.
+  A `data` that is not bytes-like raises TypeError.
 
   Args:
     data: the stream (bytes, bytearray or memoryview).
-    max_symbols: optional cap on the symbol count the caller is willing to receive.
+    max_symbols: optional cap on the symbol count the caller is willing to receive; pass it
+      whenever the caller knows it (a larger stream raises before anything is decoded).
     probabilities: the same model that was given to encode, for streams coded with one.
 
   Example:
@@ -460,6 +472,8 @@ def decode(data: bytes, *, max_symbols: int | None = None,
     raise ValueError("this Huffman stream carries its own table; decode it without "
                      "probabilities.")
   if count == 0:
+    if flags & _FLAG_FLOOR:  # the floor is only set for letters the data hold
+      raise ValueError(f"corrupt Huffman stream: flags {flags:#x} set floor for no symbols.")
     _expect_end(reader)
     if crc != zlib.crc32(b""):
       raise ValueError("corrupt Huffman stream: CRC32 mismatch.")
@@ -481,9 +495,11 @@ def decode(data: bytes, *, max_symbols: int | None = None,
     raise ValueError(f"corrupt Huffman stream: {count} symbols cannot fit in "
                      f"{reader.remaining()} bytes.")
   lane_letters = reader.varint("letters per lane")
-  if not 1 <= lane_letters <= min(n_letters, _MAX_LANE_LETTERS):
+  # Lane sizes are not the sender's choice: tiny lanes would make the decoder's per-lane state
+  # (~100 bytes a lane) dwarf the stream.
+  if lane_letters != _lane_letters(n_letters):
     raise ValueError(f"corrupt Huffman stream: {lane_letters} letters per lane for "
-                     f"{n_letters} letters.")
+                     f"{n_letters} letters; encode writes {_lane_letters(n_letters)}.")
   n_lanes = -(-n_letters // lane_letters)
   lane_counts = np.full(n_lanes, lane_letters, np.int64)
   lane_counts[-1] = n_letters - (n_lanes - 1) * lane_letters
@@ -505,6 +521,12 @@ def decode(data: bytes, *, max_symbols: int | None = None,
     letters = np.full(n_letters, np.flatnonzero(lengths)[0], np.uint8)
   else:
     letters = _decode_payload(payload, lengths, lane_letters, lane_counts, lane_bits)
+  if flags & _FLAG_MODEL:  # any table the model makes is encode's; only the floor is a choice
+    if flags & _FLAG_FLOOR:
+      _check_table_matches_letters(lengths, letters, _model_code_lengths(
+          probabilities, pairs, max_code_length, floor=False))
+  else:
+    _check_table_matches_letters(lengths, letters, None)
   if pairs:
     symbols = np.empty(2 * n_letters, np.uint8)
     symbols[0::2] = letters >> 4
@@ -517,6 +539,34 @@ def decode(data: bytes, *, max_symbols: int | None = None,
   if zlib.crc32(symbols) != crc:
     raise ValueError("corrupt Huffman stream: CRC32 of the decoded symbols does not match.")
   return symbols
+
+
+def _check_table_matches_letters(lengths: np.ndarray, letters: np.ndarray,
+                                 unfloored: np.ndarray | None) -> None:
+  """ValueError unless encode would have chosen this table for these letters.
+
+  `unfloored`: for a model table with the floor flag, the model's table without the floor
+  (encode sets the flag only when that table misses a letter of the data); else None.
+  """
+  counts = np.bincount(letters, minlength=256)
+  if unfloored is not None:
+    if np.all(unfloored[counts > 0] > 0):
+      raise ValueError("corrupt Huffman stream: the floor flag is set but the model codes "
+                       "every decoded letter.")
+  elif not _is_encoders_table(counts, lengths):
+    raise ValueError("corrupt Huffman stream: the code lengths are not the ones encode derives "
+                     "from the decoded letters' counts.")
+
+
+def _is_encoders_table(counts: np.ndarray, lengths: np.ndarray) -> bool:
+  """Whether code_lengths(counts, limit) is `lengths` for some limit encode accepts."""
+  for limit in range(int(lengths.max()), MAX_CODE_LENGTH + 1):
+    candidate = code_lengths(counts, limit)
+    if np.array_equal(candidate, lengths):
+      return True
+    if int(candidate.max()) < limit:  # plain Huffman fits: larger limits give the same lengths
+      return False
+  return False
 
 
 def _expect_end(reader: _Reader) -> None:
@@ -566,6 +616,10 @@ def _unpack_lanes(reader: _Reader, n_lanes: int) -> np.ndarray:
   offsets = bits[:n_lanes * width].reshape(n_lanes, width).astype(np.int64) @ weights
   if base > (1 << 40):
     raise ValueError(f"corrupt Huffman stream: lane base length {base} is absurd.")
+  # encode writes base = the shortest lane and width = the bits of the largest offset.
+  if int(offsets.min()) != 0 or int(offsets.max()).bit_length() != width:
+    raise ValueError(f"corrupt Huffman stream: lane table base {base} and width {width} are not "
+                     f"the shortest lane and the width of the largest offset.")
   return base + offsets
 
 
@@ -683,13 +737,26 @@ def _bit_tables(payload: np.ndarray, letter_table: np.ndarray, length_table: np.
   """
   windows = _bit_windows(payload, 8)[:total_bits // 8 + 1]
   offsets_in_byte = np.arange(8, dtype=np.uint32)
-  index = ((windows[:, None] << offsets_in_byte) >> np.uint32(32 - peek)).reshape(-1)
-  index = index[:total_bits + 1]
-  letter_at = letter_table.take(index)
-  next_start = np.arange(total_bits + 1, dtype=np.int32)
-  next_start += length_table.take(index)
+  letter_at = np.empty(total_bits + 1, np.uint8)
+  next_start = np.empty(total_bits + 1, np.int32)
+  # In chunks: a window index per bit, as the intp that take wants, would be 8 bytes a bit.
+  for first in range(0, total_bits + 1, _CHUNK):
+    last = min(first + _CHUNK, total_bits + 1)
+    index = ((windows[first // 8:(last + 7) // 8, None] << offsets_in_byte)
+             >> np.uint32(32 - peek)).reshape(-1)[:last - first].astype(np.intp)
+    letter_table.take(index, out=letter_at[first:last])
+    next_start[first:last] = length_table.take(index)
+    next_start[first:last] += np.arange(first, last, dtype=np.int32)
   np.minimum(next_start, total_bits, out=next_start)
   return letter_at, next_start
+
+
+def _take_in_chunks(table: np.ndarray, index: np.ndarray) -> np.ndarray:
+  """table.take(index, mode="clip") without a whole intp copy of a big int32 index."""
+  out = np.empty(index.size, table.dtype)
+  for first in range(0, index.size, _CHUNK):
+    table.take(index[first:first + _CHUNK], out=out[first:first + _CHUNK], mode="clip")
+  return out
 
 
 def _walk(letter_at: np.ndarray, next_start: np.ndarray, lane_starts: np.ndarray,
@@ -726,9 +793,9 @@ def _double(letter_at: np.ndarray, next_start: np.ndarray, lane_starts: np.ndarr
     starts[:, known:known + todo] = jump.take(starts[:, :todo], mode="clip")
     known += todo
     if known < lane_letters:
-      jump = jump.take(jump, mode="clip")
+      jump = _take_in_chunks(jump, jump)
   final = next_start[starts[np.arange(n_lanes), lane_counts - 1]].astype(np.int64)
-  decoded = letter_at.take(starts.reshape(-1)[:int(lane_counts.sum())], mode="clip")
+  decoded = _take_in_chunks(letter_at, starts.reshape(-1)[:int(lane_counts.sum())])
   return decoded, final
 
 

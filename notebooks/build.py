@@ -275,7 +275,9 @@ leaves = {jax.tree_util.keystr(path): g for path, g in jax.tree_util.tree_leaves
 fitted_bits, coded_bits = [], []
 for name, r in report.items():
   values = np.asarray(leaves[name]).ravel()
-  s = gennorm.fp4_scale(r["beta"], r["alpha"])
+  # A leaf that barely gets gradient fits a tiny alpha: clip its scale into the range where
+  # fp4's levels stay normal float32 numbers, as co3 does.
+  s = float(np.clip(gennorm.fp4_scale(r["beta"], r["alpha"]), *fp.scale_range(fp.FP4)))
   fitted_bits.append(gennorm.entropy_bits(fp.FP4, r["beta"], r["alpha"], s))
   coded_bits.append(8 * len(huffman.encode(np.asarray(fp.encode(values, fp.FP4, s)))) /
                     values.size)

@@ -4,6 +4,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from loco_jax import fp
 
@@ -191,3 +193,54 @@ def test_format_is_hashable_and_static_under_jit():
   fn = jax.jit(fp.quantize, static_argnums=1)
   np.testing.assert_array_equal(np.asarray(fn(jnp.array([0.7]), fp.FP4, 1.0)), [0.5])
   assert fp.FloatFormat(2, 1) == fp.FP4 and hash(fp.FloatFormat(2, 1)) == hash(fp.FP4)
+
+
+# ----------------------------------------------------------------------------- scale range
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=str)
+def test_scales_outside_the_range_raise(fmt):
+  low, high = fp.scale_range(fmt)
+  x = np.ones(2, np.float32)
+  for scale in (1e-45, low / 2, high * 2, np.array([1.0, high * 4])):
+    with pytest.raises(ValueError, match=r"scale must be positive and finite, in \["):
+      fp.quantize(x, fmt, scale)
+    with pytest.raises(ValueError, match="scale must be"):
+      fp.encode(x, fmt, scale)
+    with pytest.raises(ValueError, match="scale must be"):
+      fp.decode(np.zeros(2, np.uint8), fmt, scale)
+  # float64 values have float64's wider range.
+  assert fp.quantize(np.array([fp.max_value(fmt) * 1e200]), fmt, 1e-200)[0] == pytest.approx(
+      fp.max_value(fmt) * 1e200, rel=1e-12)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=str)
+def test_range_ends_dequantize_every_level_to_a_finite_normal(fmt):
+  symbols = fp.encode(np.concatenate([fp.levels(fmt), -fp.levels(fmt)[1:]]), fmt)
+  tiny = np.finfo(np.float32).tiny
+  for scale in fp.scale_range(fmt):
+    values = fp.decode(symbols, fmt, scale)
+    jitted = np.asarray(jax.jit(lambda s, c: fp.decode(s, fmt, c))(symbols, np.float32(scale)))
+    for v in (values, jitted):
+      assert np.all(np.isfinite(v))
+      assert np.all((v == 0) == (fp.decode(symbols, fmt) == 0))  # no level flushed to 0
+      assert np.all((v == 0) | (np.abs(v) >= tiny))
+  low = fp.scale_range(fmt)[0]
+  # The bound is tight: below it the largest level overflows, or the scale is not normal.
+  below = np.nextafter(np.nextafter(np.float32(low), np.float32(0)), np.float32(0))
+  with np.errstate(over="ignore"):
+    largest = np.float32(fp.max_value(fmt)) * (np.float32(1) / below)
+  assert not np.isfinite(largest) or below < tiny
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from(FORMATS), st.floats(0.0, 1.0), st.floats(-45.0, 38.5))
+def test_quantize_is_finite_across_the_scale_range(fmt, position, log_x):
+  low, high = fp.scale_range(fmt)
+  scale = float(np.float32(np.exp(np.log(low) + position * (np.log(high) - np.log(low)))))
+  scale = min(max(scale, low), high)
+  x = np.float32(10.0 ** log_x) * np.array([1, -1, 0], np.float32)
+  for out in (fp.quantize(x, fmt, scale),
+              np.asarray(jax.jit(lambda v, s: fp.quantize(v, fmt, s))(x, np.float32(scale)))):
+    assert np.all(np.isfinite(out))
+    assert out[2] == 0 and out[0] == -out[1]

@@ -6,6 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from loco_jax import fp
 from loco_jax import gennorm
@@ -221,3 +223,81 @@ def test_validate_picks_the_right_family():
   # Subsampling is deterministic and per leaf: a leaf alone gives the same numbers.
   alone = gennorm.validate({"laplace": grads["laplace"]}, max_samples=20_000)
   assert alone["['laplace']"] == laplace
+
+
+# ----------------------------------------------------------------------------- parameters
+
+BAD_PARAMETERS = [  # (beta, alpha, loc), the parameter named in the error
+    ((0.0, 1.0, 0.0), "beta"), ((-1.0, 1.0, 0.0), "beta"), ((float("nan"), 1.0, 0.0), "beta"),
+    ((float("inf"), 1.0, 0.0), "beta"), ((1e4, 1.0, 0.0), "beta"),
+    ((1.0, 0.0, 0.0), "alpha"), ((1.0, -2.0, 0.0), "alpha"), ((1.0, float("nan"), 0.0), "alpha"),
+    ((1.0, float("inf"), 0.0), "alpha"), ((1.0, 1.0, float("nan")), "loc"),
+    ((1.0, 1.0, float("inf")), "loc")]
+
+
+@pytest.mark.parametrize("params,name", BAD_PARAMETERS)
+def test_distribution_functions_reject_bad_parameters(params, name):
+  beta, alpha, loc = params
+  calls = [lambda: gennorm.cdf(0.3, beta, alpha, loc), lambda: gennorm.ppf(0.7, beta, alpha, loc),
+           lambda: gennorm.sample(0, beta, alpha, (3,), loc),
+           lambda: gennorm.sample(jax.random.key(0), beta, alpha, (3,), loc),
+           lambda: gennorm.wasserstein2(np.ones(3), gennorm.GenNormFit(beta, alpha, loc))]
+  if loc == 0.0:  # the symbol model is centred at 0: no loc argument
+    calls += [lambda: gennorm.symbol_probabilities(fp.FP4, beta, alpha, 1.0),
+              lambda: gennorm.entropy_bits(fp.FP8, beta, alpha, 1.0)]
+  for call in calls:
+    with pytest.raises(ValueError, match=f"{name} must be"):
+      call()
+
+
+def test_fit_rejects_bad_loc_and_unrepresentable_spreads():
+  x = np.array([1.0, -2.0, 3.0, 0.5])
+  for loc in (float("nan"), float("inf")):
+    with pytest.raises(ValueError, match="loc must be finite"):
+      gennorm.fit(x, loc=loc)
+  with pytest.raises(ValueError, match="beta must be positive"):
+    gennorm.fit(x, beta=float("nan"))
+  with pytest.raises(ValueError, match="overflows"):
+    gennorm.fit(np.array([1e308, 5e307, -1e308]), loc=-1e308)
+  denormal = np.random.default_rng(0).normal(size=1000) * 5e-324  # alpha would be 0.0
+  with pytest.raises(ValueError, match="normal float64"):
+    gennorm.fit(denormal)
+  tiny = np.random.default_rng(0).normal(size=1000) * 1e-300  # small but normal: fits
+  assert gennorm.fit(tiny).alpha == pytest.approx(np.sqrt(2) * 1e-300, rel=0.1)
+
+
+def test_fp4_scale_rejects_bad_parameters():
+  for beta, alpha in [(float("nan"), 1.0), (-1.0, 1.0), (1.0, 0.0), (1.0, float("inf")),
+                      (np.array([1.0, 2.0]), np.array([1.0, -1.0]))]:
+    with pytest.raises(ValueError, match="fp4_scale needs"):
+      gennorm.fp4_scale(beta, alpha)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.floats(-3.0, 3.0), st.floats(-300.0, 300.0), st.floats(-300.0, 300.0),
+       st.floats(0.0, 1.0))
+def test_distribution_functions_terminate_and_stay_consistent(log_beta, log_alpha, log_x, q):
+  """Across the accepted range: finite probabilities, no hang, ppf inverts cdf where the
+  inverse is well conditioned."""
+  beta, alpha = 10.0 ** log_beta, 10.0 ** log_alpha
+  if not gennorm.BETA_LIMITS[0] < beta <= gennorm.BETA_LIMITS[1]:
+    return
+  x = 10.0 ** log_x
+  p = gennorm.cdf(np.array([-x, x]), beta, alpha)
+  assert np.all((p >= 0) & (p <= 1)) and p[0] <= 0.5 <= p[1]
+  assert np.isclose(p[0] + p[1], 1.0, rtol=0, atol=1e-12)
+  quantile = gennorm.ppf(q, beta, alpha)
+  assert not np.isnan(quantile)
+  if 1e-6 < q < 1 - 1e-6 and 0.1 <= beta <= 10 and np.isfinite(quantile) and quantile != 0:
+    assert float(gennorm.cdf(quantile, beta, alpha)) == pytest.approx(q, rel=1e-6)
+  probabilities = gennorm.symbol_probabilities(fp.FP4, beta, 1.0, 1.0)
+  assert np.all(np.isfinite(probabilities)) and probabilities.sum() == pytest.approx(1.0)
+
+
+def test_ppf_with_nan_beta_returns_promptly():
+  """The tester's hang: ppf(0.7, nan, 1.0) never returned."""
+  with pytest.raises(ValueError, match="beta must be"):
+    gennorm.ppf(0.7, float("nan"), 1.0)
+  # At the smallest shapes the true quantile (~1000**1000) overflows: +inf, not NaN.
+  assert gennorm.ppf(0.7, gennorm.BETA_LIMITS[0] * 1.001, 1.0) == np.inf
+  assert 0 < gennorm.ppf(0.7, gennorm.BETA_LIMITS[1], 1.0) < 1
