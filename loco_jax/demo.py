@@ -8,6 +8,7 @@ import datetime
 import importlib
 import math
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -15,7 +16,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 
-from loco_jax import files
+from loco_jax import demo_output, files
 
 METHODS = ("none", "bf16", "int4-noef", "ef4", "loco4", "loco4-fixed", "co3-fp4")
 DESCRIPTIONS = {
@@ -269,7 +270,7 @@ def evaluate(loss_fn: Callable, params: Any, eval_KxBxL: np.ndarray, mesh) -> fl
 
 
 def run_method(name: str, compressor, config: DemoConfig, corpus: Corpus,
-               progress: Progress | None = None, optimizer=None, mode: str = "ddp",
+               progress: demo_output.Progress | None = None, optimizer=None, mode: str = "ddp",
                observe: Callable[[Any, int], None] | None = None,
                **step_kwargs: Any) -> MethodResult:
   """Trains the demo model with `compressor` averaging the gradients over the devices.
@@ -322,156 +323,30 @@ def run_method(name: str, compressor, config: DemoConfig, corpus: Corpus,
       collectives=list(found))
 
 
-# --- Output ---------------------------------------------------------------------------------------
-
-class Progress:
-  """A one-line progress bar on stderr (redrawn in place on a terminal, every 10% otherwise)."""
-
-  def __init__(self, methods: Sequence[str], steps: int, stream=None, width: int = 24):
-    self.methods, self.steps, self.width = list(methods), steps, width
-    self.stream = stream or sys.stderr
-    self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
-    self.start = time.perf_counter()
-    self.done_steps = 0
-    self._last_decile = -1
-
-  def update(self, method: str, step: int, loss: float, step_s: float) -> None:
-    index = self.methods.index(method)
-    self.done_steps = index * self.steps + step
-    total = len(self.methods) * self.steps
-    elapsed = time.perf_counter() - self.start
-    eta = elapsed / self.done_steps * (total - self.done_steps)
-    filled = round(self.width * step / self.steps)
-    bar = "#" * filled + "-" * (self.width - filled)
-    line = (f"[{index + 1}/{len(self.methods)}] {method:<11} [{bar}] {step:>5}/{self.steps} "
-            f"loss {loss:6.3f}  {step_s * 1e3:5.0f} ms/step  elapsed {_clock(elapsed)} "
-            f"eta {_clock(eta)}")
-    if self.tty:
-      self.stream.write("\r" + line + ("\n" if step == self.steps else ""))
-      self.stream.flush()
-    else:
-      decile = 10 * step // self.steps
-      if decile != self._last_decile or step == self.steps:
-        self._last_decile = 0 if step == self.steps else decile
-        print(line, file=self.stream, flush=True)
-
-  def note(self, text: str) -> None:
-    print(text, file=self.stream, flush=True)
-
-
-def _clock(seconds: float) -> str:
-  seconds = int(seconds) if math.isfinite(seconds) else 0
-  return f"{seconds // 60}:{seconds % 60:02d}"
-
-
-def format_table(results: Sequence[MethodResult], unavailable: dict[str, str] | None = None) -> str:
-  """The demo's table: losses (and their change against `none`), bits, step time."""
-  base = next((r for r in results if r.method == "none"), None)
-  rel = lambda v, b: "" if base is None or not math.isfinite(v) else f"{100 * (v / b - 1):+.1f}%"
-  header = (f"{'method':<12} {'train loss':>10} {'vs none':>8} {'eval loss':>10} {'vs none':>8} "
-            f"{'grad bits':>9} {'wire bits':>9} {'step s':>7}")
-  lines = [header, "-" * len(header)]
-  for r in results:
-    lines.append(
-        f"{r.method:<12} {r.final_loss:>10.4f} "
-        f"{rel(r.final_loss, base.final_loss if base else 1):>8} {r.eval_loss:>10.4f} "
-        f"{rel(r.eval_loss, base.eval_loss if base else 1):>8} "
-        f"{r.gradient_bits_per_param:>9.2f} {r.wire_bits_per_param:>9.2f} {r.step_time_s:>7.3f}")
-  for method, why in (unavailable or {}).items():
-    lines.append(f"{method:<12} unavailable: {why}")
-  lines.append("grad bits: the gradient collective's buffer (codes + scales) * 8 / params; wire "
-               "bits: what each device sends per parameter and step, over every collective "
-               "(ring all-reduce 2(n-1)/n); both read from the step's lowered HLO.")
-  return "\n".join(lines)
-
-
-def write_curves(path: Path, results: Sequence[MethodResult]) -> None:
-  """loss_curves.csv: step, then one train-loss column per method (written atomically)."""
-  rows = ["step," + ",".join(r.method for r in results)]
-  for i in range(max((len(r.losses) for r in results), default=0)):
-    rows.append(f"{i + 1}," + ",".join(f"{r.losses[i]:.5f}" if i < len(r.losses) else ""
-                                       for r in results))
-  files.write_atomic(path, "\n".join(rows) + "\n")
-
-
-def plot_curves(path: Path, results: Sequence[MethodResult], title: str = "") -> bool:
-  """loss_curves.png with matplotlib (False, and nothing written, if it is not installed)."""
-  try:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-  except ImportError:
-    return False
-  base = next((np.asarray(r.losses) for r in results if r.method == "none"), None)
-  fig, axes = plt.subplots(1, 2 if base is not None else 1, figsize=(12, 4.8), dpi=100,
-                           squeeze=False)
-  ax, diff = axes[0][0], (axes[0][1] if base is not None else None)
-  for r in results:
-    y = np.asarray(r.losses)
-    k = max(len(y) // 25, 1)  # moving average over ~4% of the run
-    smooth = lambda v: np.convolve(v, np.ones(k) / k, mode="valid")
-    line, = ax.plot(np.arange(k, len(y) + 1), smooth(y), lw=1.6,
-                    label=f"{r.method} (eval {r.eval_loss:.3f}, {r.wire_bits_per_param:.0f} b/p)")
-    ax.plot(np.arange(1, len(y) + 1), y, lw=0.5, alpha=0.25, color=line.get_color())
-    if diff is not None and len(y) == len(base):
-      diff.plot(np.arange(k, len(y) + 1), smooth(y - base), lw=1.4, color=line.get_color(),
-                label=r.method)
-  finite = [v for r in results for v in r.losses[len(r.losses) // 5:] if math.isfinite(v)]
-  if finite:
-    lo, hi = min(finite), max(finite)
-    ax.set_ylim(lo - 0.05 * (hi - lo), hi + 0.3 * (hi - lo))
-  ax.set_xlabel("step")
-  ax.set_ylabel("train loss (nats / byte)")
-  ax.set_title(title or "loco-jax demo: train loss per method", fontsize=10)
-  ax.grid(alpha=0.3)
-  ax.legend(fontsize=8)
-  if diff is not None:
-    gaps = [v for r in results if len(r.losses) == len(base)
-            for v in (np.asarray(r.losses) - base)[len(base) // 5:] if math.isfinite(v)]
-    if gaps:
-      spread = max(np.percentile(np.abs(gaps), 98), 1e-3)
-      diff.set_ylim(-spread, spread)
-    diff.axhline(0, color="k", lw=0.6)
-    diff.set_xlabel("step")
-    diff.set_ylabel("train loss minus none's (same batches)")
-    diff.set_title("the cost of compression (below 0: better than fp32)", fontsize=10)
-    diff.grid(alpha=0.3)
-  fig.tight_layout()
-  files.save_figure_atomic(fig, path)
-  plt.close(fig)
-  return True
-
-
-def summary(results: Sequence[MethodResult]) -> str:
-  """Two sentences that read the table for a newcomer."""
-  by = {r.method: r for r in results}
-  if "none" not in by:
-    return ""
-  base = by["none"].eval_loss
-  pct = lambda m: 100 * (by[m].eval_loss / base - 1)
-  parts = []
-  if "loco4" in by:
-    parts.append(f"LoCo-4 sends {by['loco4'].gradient_bits_per_param:.2f} gradient bits a "
-                 f"parameter instead of {by['none'].gradient_bits_per_param:.0f} and ends "
-                 f"{pct('loco4'):+.1f}% from uncompressed on held-out text")
-  if "int4-noef" in by:
-    parts.append(f"the same 4 bits without error feedback end {pct('int4-noef'):+.1f}%")
-  if "ef4" in by:
-    parts.append(f"classic error feedback {pct('ef4'):+.1f}%")
-  return ("; ".join(parts) + ". One seed: differences under ~1% are within seed noise "
-          "(docs/EXPERIMENTS.md has the sweep).") if parts else ""
-
-
 # --- Command line ---------------------------------------------------------------------------------
 
-def _positive_int(text: str) -> int:
-  try:
-    value = int(text)
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-  if value < 1:
-    raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-  return value
+MAX_DEVICES = 64  # simulated CPU devices: threads of one process; XLA aborts in the hundreds
+MAX_SEED = 2**63 - 1  # jax's PRNG keys take a C long
+
+
+def _bounded_int(low: int, high: int | None = None, what: str = "") -> Callable[[str], int]:
+  """An argparse type: an int in low..high (argparse names the flag in its message)."""
+  accepted = what or (f"an integer in {low}..{high}" if high is not None else
+                      "a positive integer" if low == 1 else f"an integer >= {low}")
+
+  def parse(text: str) -> int:
+    try:
+      value = int(text)
+    except ValueError:
+      raise argparse.ArgumentTypeError(f"expected {accepted}, got {text!r}") from None
+    if value < low or (high is not None and value > high):
+      raise argparse.ArgumentTypeError(f"expected {accepted}, got {value}")
+    return value
+
+  return parse
+
+
+_positive_int = _bounded_int(1)
 
 
 def _positive_float(text: str) -> float:
@@ -495,24 +370,30 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--methods", default=None,
                  help=f"comma-separated subset of {','.join(METHODS)} (default: all available)")
   p.add_argument("--steps", type=_positive_int, default=d.steps, help="train steps per method")
-  p.add_argument("--devices", type=_positive_int, default=d.devices,
-                 help="simulated CPU devices (data-parallel workers)")
+  p.add_argument("--devices", type=_bounded_int(
+      1, MAX_DEVICES, f"an integer in 1..{MAX_DEVICES} (simulated CPU devices)"),
+      default=d.devices, help=f"simulated CPU devices (data-parallel workers), 1..{MAX_DEVICES}")
   p.add_argument("--batch", type=_positive_int, default=d.batch_per_device,
                  help="sequences per device per step")
-  p.add_argument("--seq-len", type=_positive_int, default=d.seq_len, help="tokens per sequence")
+  p.add_argument("--seq-len", type=_positive_int, default=d.seq_len,
+                 help="tokens per sequence (at most what fits in half of this machine's memory: "
+                      "the attention scores grow with devices x batch x heads x seq-len^2)")
   p.add_argument("--d-model", type=_positive_int, default=d.d_model, help="model width")
   p.add_argument("--layers", type=_positive_int, default=d.n_layers, help="transformer blocks")
   p.add_argument("--heads", type=_positive_int, default=d.n_heads, help="attention heads")
   p.add_argument("--d-ff", type=_positive_int, default=None, help="MLP width (default 4 x d-model)")
   p.add_argument("--lr", type=_positive_float, default=d.lr, help="adamw learning rate")
-  p.add_argument("--seed", type=int, default=d.seed, help="model init and data order")
+  p.add_argument("--seed", type=_bounded_int(0, MAX_SEED, "an integer in 0..2**63-1"),
+                 default=d.seed, help="model init and data order (0..2**63-1)")
   p.add_argument("--fixed-scale", type=_positive_float, default=d.fixed_scale,
                  help="loco4-fixed's global scale s (the paper: 2**17 pre-training)")
   p.add_argument("--eval-batches", type=_positive_int, default=d.eval_batches,
                  help="held-out batches for the eval loss")
   p.add_argument("--data", default=None,
                  help="a text file or folder to train on (default: the stdlib's own sources)")
-  p.add_argument("--out", default=None, help="output folder (default runs/demo-<timestamp>)")
+  p.add_argument("--out", default=None,
+                 help="output folder, new or a previous demo's (default runs/demo-<timestamp>); "
+                      "its outputs are replaced as one set")
   return p
 
 
@@ -540,36 +421,109 @@ def _choose_methods(text: str | None) -> tuple[list[str], dict[str, str]]:
   return list(dict.fromkeys(chosen)), {}
 
 
-def _check_config(config: DemoConfig) -> None:
+def physical_memory() -> int:
+  """Bytes of memory of this machine."""
+  return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _check_memory(config: DemoConfig, memory: int) -> None:
+  """DemoError naming the flag when the run would need more than half of `memory`.
+
+  The two terms that grow without bound: the attention scores (every device of this one
+  process holds batch x heads x seq_len^2 float32 a layer, about 4 such arrays with the
+  backward pass) and the token batches, all made before the first step.
+  """
+  budget, gib = memory // 2, lambda n: f"{n / 2**30:.1f} GiB"
+  per_square = config.devices * config.batch_per_device * config.n_heads * 4 * config.n_layers * 4
+  attention = per_square * config.seq_len ** 2
+  if attention > budget:
+    raise DemoError(
+        f"--seq-len {config.seq_len}: the attention scores alone would take about "
+        f"{gib(attention)} ({config.devices} devices x {config.batch_per_device} sequences x "
+        f"{config.n_heads} heads x seq-len^2 x 4 bytes x {config.n_layers} layers x 4 arrays), "
+        f"more than half of this machine's {gib(memory)}; accepted: at most "
+        f"{math.isqrt(budget // per_square)} with these --devices, --batch, --heads, --layers")
+  per_step = config.global_batch * (config.seq_len + 1) * 4
+  tokens = (config.steps + config.eval_batches) * per_step
+  if tokens > budget:
+    raise DemoError(
+        f"--steps {config.steps} with --seq-len {config.seq_len}: the token batches, made up "
+        f"front, would take {gib(tokens)}, more than half of this machine's {gib(memory)}; "
+        f"accepted: at most {budget // per_step - config.eval_batches} steps")
+
+
+def _check_config(config: DemoConfig, memory: int | None = None) -> None:
+  """What the flags' types cannot check alone, before jax starts (`memory`: bytes, default
+  this machine's)."""
   if config.d_model % config.n_heads:
     raise DemoError(f"--d-model {config.d_model} must be divisible by --heads {config.n_heads}")
+  _check_memory(config, physical_memory() if memory is None else memory)
+
+
+def _check_out(text: str | None) -> tuple[Path, Path]:
+  """(--out as an absolute path, an empty staging folder beside it), or a DemoError saying why
+  the demo could not write there. The folder is created (empty) if it is new."""
+  out = Path(text or Path("runs") / f"demo-{datetime.datetime.now():%Y%m%d-%H%M%S}").absolute()
+  shown = text or str(out)
+  for folder in (out, *out.parents):
+    if folder.exists() and not folder.is_dir():
+      raise DemoError(f"--out {shown} exists and is a file; expected a folder" if folder == out
+                      else f"--out {shown} is under {folder}, which is a file, not a folder")
+    if folder.exists():
+      break
+  if out.is_dir():
+    foreign = sorted(p.name for p in out.iterdir() if p.name not in demo_output.OUTPUTS)
+    if foreign:
+      raise DemoError(f"--out {shown} holds files the demo does not write ({', '.join(foreign)}"
+                      f"); its outputs replace the folder as a whole: give a new or empty "
+                      f"folder, or a previous demo's output folder")
+    if not os.access(out, os.W_OK | os.X_OK):
+      raise DemoError(f"--out {shown} is not writable")
+  try:
+    out.mkdir(parents=True, exist_ok=True)
+    return out, files.staging_folder(out)
+  except OSError as e:
+    raise DemoError(f"--out {shown} is not writable: {e.strerror} ({e.filename})") from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-  """Runs the demo; returns the exit status (2 on bad input, 130 when interrupted)."""
+  """Runs the demo; returns the exit status (2 on bad input, 130 when interrupted).
+
+  Every flag and the output folder are checked before jax starts; the outputs are written
+  into a folder beside `--out` and moved into its place at once, so an interrupted or failed
+  write leaves the previous outputs whole.
+  """
   argv = sys.argv[1:] if argv is None else list(argv)
   try:
     args = parser().parse_args(argv)
   except SystemExit as e:  # argparse: --help (0) or a usage error (2, message already printed)
     return int(e.code or 0)
+  staging = None
   try:
-    config = config_from_args(args)
-    _check_config(config)
-    methods, unavailable = _choose_methods(args.methods)
-    if args.data is not None and not Path(args.data).exists():
-      raise DemoError(f"--data {args.data}: no such file or folder; expected a text file or a "
-                      f"folder of .txt/.md/.py/.rst files")
-    setup_devices(config.devices)
-    corpus = load_corpus(config, args.data)
-  except (DemoError, ValueError) as e:
-    print(f"loco-jax demo: error: {e}", file=sys.stderr)
-    return 2
+    try:
+      config = config_from_args(args)
+      _check_config(config)
+      methods, unavailable = _choose_methods(args.methods)
+      if args.data is not None and not Path(args.data).exists():
+        raise DemoError(f"--data {args.data}: no such file or folder; expected a text file or "
+                        f"a folder of .txt/.md/.py/.rst files")
+      out, staging = _check_out(args.out)
+      setup_devices(config.devices)
+      corpus = load_corpus(config, args.data)
+    except (DemoError, ValueError) as e:
+      print(f"loco-jax demo: error: {e}", file=sys.stderr)
+      return 2
+    return _train_and_write(config, methods, unavailable, corpus, out, staging)
+  finally:
+    if staging is not None and staging.exists():
+      shutil.rmtree(staging)
 
-  out = Path(args.out or Path("runs") / f"demo-{datetime.datetime.now():%Y%m%d-%H%M%S}")
-  out.mkdir(parents=True, exist_ok=True)
+
+def _train_and_write(config: DemoConfig, methods: list[str], unavailable: dict[str, str],
+                     corpus: Corpus, out: Path, staging: Path) -> int:
   _, params, _ = make_model(config)
   from loco_jax.models import num_params
-  progress = Progress(methods, config.steps)
+  progress = demo_output.Progress(methods, config.steps)
   progress.note(
       f"loco-jax demo: {num_params(params):,}-parameter byte-level GPT on {corpus.source}, "
       f"{config.devices} devices x {config.batch_per_device} sequences x {config.seq_len} "
@@ -587,15 +541,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 130
   total_s = time.perf_counter() - start
 
-  files.write_json_atomic(out / "results.json", [r.as_json() for r in results])
-  write_curves(out / "loss_curves.csv", results)
-  plotted = plot_curves(out / "loss_curves.png", results,
-                        f"loco-jax demo: {num_params(params):,} params, {config.devices} devices")
-  print(format_table(results, unavailable))
-  text = summary(results)
+  try:
+    plotted = demo_output.write_outputs(
+        staging, results, f"loco-jax demo: {num_params(params):,} params, {config.devices} devices")
+    files.replace_folder(staging, out)
+  except KeyboardInterrupt:  # held back during the renames: raised before or after them
+    state = "is as it was" if staging.exists() else "holds the new outputs"
+    print(f"\nloco-jax demo: interrupted while writing; {out} {state}", file=sys.stderr)
+    return 130
+  except OSError as e:
+    print(f"loco-jax demo: error: could not write the outputs ({e}); {out} is as it was",
+          file=sys.stderr)
+    return 1
+  print(demo_output.format_table(results, unavailable))
+  text = demo_output.summary(results)
   if text:
     print(text)
-  print(f"total {_clock(total_s)} (compile {sum(r.compile_s for r in results):.0f} s); wrote "
+  compile_s = sum(r.compile_s for r in results)
+  print(f"total {demo_output.clock(total_s)} (compile {compile_s:.0f} s); wrote "
         f"{out / 'results.json'}, loss_curves.csv" +
         (", loss_curves.png" if plotted else " (no PNG: matplotlib is not installed)"))
   return 0

@@ -1,14 +1,22 @@
 """The `loco-jax demo` command on a tiny config: results.json, bits from the HLO, bad input."""
 
 import contextlib
+import dataclasses
+import errno
 import io
 import json
 import math
+import os
+import re
+import signal
+import time
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from loco_jax import cli, demo, files
+from loco_jax import cli, demo, demo_output, files
 
 TINY = ["--steps", "4", "--d-model", "64", "--layers", "1", "--heads", "4", "--batch", "1",
         "--seq-len", "16", "--eval-batches", "2"]
@@ -124,3 +132,134 @@ def test_methods_and_co3_hook():
     assert "co3-fp4" not in demo.available_methods()
   with pytest.raises(ValueError, match="unknown method"):
     demo.make_compressor("loco3")
+
+
+# --- Flags and --out are checked before jax starts; outputs are replaced as one set -------------
+
+def _no_device_setup(monkeypatch):
+  def setup(*args, **kwargs):
+    pytest.fail("the demo set up jax devices before rejecting its input")
+  monkeypatch.setattr(demo, "setup_devices", setup)
+
+
+def _cli_fails(capsys, argv, *phrases) -> str:
+  assert cli.main(["demo", *argv]) == 2
+  err = capsys.readouterr().err
+  for phrase in phrases:
+    assert phrase in err, (phrase, err)
+  assert "Traceback" not in err
+  return err
+
+
+def test_flags_rejected_before_jax_starts(tmp_path, monkeypatch, capsys):
+  _no_device_setup(monkeypatch)
+  out = tmp_path / "out"
+  _cli_fails(capsys, ["--devices", "1000", "--out", str(out)], "--devices",
+             f"1..{demo.MAX_DEVICES}", "1000")
+  _cli_fails(capsys, ["--devices", "0"], "--devices", f"1..{demo.MAX_DEVICES}")
+  _cli_fails(capsys, ["--seed", "-1"], "--seed", "0..2**63-1", "-1")
+  _cli_fails(capsys, ["--seed", str(2**63)], "--seed", "0..2**63-1")
+  _cli_fails(capsys, ["--seq-len", "100000", "--out", str(out)], "--seq-len 100000",
+             "half of this machine's", "at most")
+  _cli_fails(capsys, ["--steps", str(10**12), "--out", str(out)], "--steps", "at most")
+  assert not out.exists()  # rejected before the output folder was made
+
+
+def test_out_checked_before_training(tmp_path, monkeypatch, capsys):
+  _no_device_setup(monkeypatch)
+  (tmp_path / "file").write_text("x")
+  _cli_fails(capsys, ["--out", str(tmp_path / "file")], "--out", "exists and is a file")
+  _cli_fails(capsys, ["--out", str(tmp_path / "file" / "a" / "b")], "--out",
+             f"is under {tmp_path / 'file'}, which is a file")
+  (tmp_path / "mine").mkdir()
+  (tmp_path / "mine" / "notes.txt").write_text("keep me")
+  _cli_fails(capsys, ["--out", str(tmp_path / "mine")], "--out", "notes.txt",
+             "does not write")
+  assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
+
+  def denied(target):
+    raise PermissionError(13, "Permission denied", str(target.parent))
+  monkeypatch.setattr(files, "staging_folder", denied)
+  _cli_fails(capsys, ["--out", str(tmp_path / "new")], "--out", "not writable",
+             "Permission denied")
+
+
+def test_out_in_a_read_only_folder(tmp_path, monkeypatch, capsys):
+  _no_device_setup(monkeypatch)
+  locked = tmp_path / "locked"
+  locked.mkdir()
+  locked.chmod(0o555)
+  try:
+    if os.access(locked, os.W_OK):
+      pytest.skip("this user (root?) may write in read-only folders")
+    _cli_fails(capsys, ["--out", str(locked / "out")], "--out", "not writable")
+  finally:
+    locked.chmod(0o755)
+
+
+@settings(max_examples=40, deadline=None)
+@given(devices=st.integers(1, demo.MAX_DEVICES), batch=st.integers(1, 64),
+       heads=st.integers(1, 16), layers=st.integers(1, 24),
+       memory_gib=st.integers(1, 2048))
+def test_seq_len_bound_is_the_one_stated(devices, batch, heads, layers, memory_gib):
+  """The largest --seq-len the message states is accepted; one more is refused."""
+  config = demo.DemoConfig(steps=1, devices=devices, batch_per_device=batch, n_heads=heads,
+                           d_model=heads, n_layers=layers, seq_len=10**7)
+  memory = memory_gib * 2**30
+  with pytest.raises(demo.DemoError, match=r"--seq-len 10000000: .* at most (\d+) ") as e:
+    demo._check_config(config, memory)
+  bound = int(re.search(r"at most (\d+) ", str(e.value)).group(1))
+  demo._check_config(dataclasses.replace(config, seq_len=bound), memory)
+  with pytest.raises(demo.DemoError, match=f"--seq-len {bound + 1}: "):
+    demo._check_config(dataclasses.replace(config, seq_len=bound + 1), memory)
+
+
+def _fake_run(loss: float):
+  """run_method without training: `loss` at every step, so that two runs' outputs differ."""
+  def run(name, compressor, config, corpus, progress=None, **kwargs):
+    return demo.MethodResult(name, loss, loss + 0.1, 4.0, 20.0, 0.01,
+                             [loss + i / 10 for i in range(config.steps)][::-1], 0.0, 0, [])
+  return run
+
+
+def _snapshot(folder) -> dict[str, bytes]:
+  return {p.name: p.read_bytes() for p in folder.iterdir()}
+
+
+def test_interrupted_write_keeps_the_previous_outputs(tmp_path, monkeypatch, capsys):
+  text = tmp_path / "corpus.txt"
+  text.write_bytes(TEXT)
+  out = tmp_path / "runs" / "out"
+  argv = [*TINY, "--methods", "none,loco4", "--data", str(text), "--out", str(out)]
+  monkeypatch.setattr(demo, "run_method", _fake_run(2.0))
+  assert demo.main(argv) == 0
+  previous = _snapshot(out)
+  assert sorted(previous) == sorted(demo_output.OUTPUTS)
+  plot = demo_output.plot_curves
+
+  def sigint_while_plotting(path, *args):
+    assert (path.parent / "results.json").exists()  # the new results.json is written by now
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(10)  # the KeyboardInterrupt comes here
+    pytest.fail("SIGINT did not interrupt the demo")
+
+  def disk_full(path, *args):
+    raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+  monkeypatch.setattr(demo, "run_method", _fake_run(3.0))
+  for writer, status, said in ((sigint_while_plotting, 130, "interrupted while writing"),
+                               (disk_full, 1, "No space left")):
+    monkeypatch.setattr(demo_output, "plot_curves", writer)
+    assert demo.main(argv) == status
+    err = capsys.readouterr().err
+    assert said in err and f"{out} is as it was" in err
+    assert _snapshot(out) == previous  # all the previous outputs, none of the new ones
+    assert [p.name for p in out.parent.iterdir()] == ["out"]  # no staging folder left
+
+  monkeypatch.setattr(demo_output, "plot_curves", plot)
+  assert demo.main(argv) == 0
+  now = _snapshot(out)
+  assert sorted(now) == sorted(previous)
+  assert all(now[name] != previous[name] for name in now)  # a whole new set
+  assert json.loads(now["results.json"])[0]["final_loss"] == 3.0
+  assert [p.name for p in out.parent.iterdir()] == ["out"]
