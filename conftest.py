@@ -1,5 +1,5 @@
 """Shared by the tests and the doctests: eight simulated CPU devices (set before jax is first
-imported) and the names the public API's docstring examples use."""
+imported), the names the public API's docstring examples use, and the `numerics` marker."""
 import os
 
 os.environ["XLA_FLAGS"] = (
@@ -8,6 +8,33 @@ os.environ["XLA_FLAGS"] = (
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import pytest  # noqa: E402
+
+# Not test modules, and not collected as doctest modules either: scripts that run when imported
+# (the multi-process workers, `python -m loco_jax`) and the benchmark applications, whose
+# docstrings show command lines and the output of minutes-long runs rather than API examples.
+collect_ignore = ["tests/mp_worker.py", "tests/train_worker.py", "loco_jax/__main__.py",
+                  "loco_jax/bench.py", "loco_jax/codec_bench.py"]
+
+# Tests whose assertions rest on floating-point results of compiled XLA programs. scripts/test
+# runs them (`-m numerics`) a second time under a lower CPU vector ISA: XLA:CPU contracts
+# multiply-adds into FMAs differently with AVX-512 and with AVX2, so an assertion that holds on
+# one ISA only fails in CI instead of on a user's machine.
+NUMERICS = {"test_baselines.py", "test_buckets.py", "test_co3.py", "test_co3_robust.py",
+            "test_comm.py", "test_conformance.py", "test_finite.py", "test_fp.py", "test_gennorm.py", "test_hierarchical.py",
+            "test_huffman_jnp.py", "test_kernels.py", "test_loco.py", "test_parallel.py",
+            "test_quant.py"}
+
+
+def pytest_configure(config):
+  config.addinivalue_line(
+      "markers", "numerics: floating-point results of compiled programs; scripts/test runs "
+      "these again under a lower CPU vector ISA (conftest.NUMERICS lists the files)")
+
+
+def pytest_collection_modifyitems(config, items):
+  for item in items:
+    if item.path.name in NUMERICS:
+      item.add_marker(pytest.mark.numerics)
 
 
 @pytest.fixture(autouse=True)

@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from loco_jax import comm, quant
+from loco_jax import comm, quant, trees
 from loco_jax.comm import AxisName, Payload
-from loco_jax.loco import _compressible, _dequantize_blocks, _keep_if, _quantize_blocks
+from loco_jax.loco import _compressible, _dequantize_blocks, _keep_if, _quantize_blocks, loco
 
 _HINT = " (under optax.inject_hyperparams pass it in static_args)"
 
@@ -74,7 +74,8 @@ class _Step(NamedTuple):
     """Flat float32 values of the chosen leaves (+ flags) -> the update, in the leaves' dtypes."""
     out = list(self.leaves)
     for i, v in zip(self.chosen, values):
-      out[i] = (v + flags).reshape(self.leaves[i].shape).astype(self.leaves[i].dtype)
+      out[i] = quant.saturating_cast((v + flags).reshape(self.leaves[i].shape),
+                                     self.leaves[i].dtype)
     return self.treedef.unflatten(out)
 
 
@@ -112,7 +113,8 @@ def _block_codec(bits: int, block_size: int) -> _Codec:
   def average(messages, flag, axis_name):
     payloads, layouts = zip(*messages)
     shards, flags = comm.all_to_all_mean(payloads, bits, None, flag, axis_name)
-    return comm.gather_bf16(shards, layouts, flags, axis_name)
+    return comm.gather_bf16([quant.saturate(s, jnp.bfloat16) for s in shards], layouts, flags,
+                            axis_name)
 
   return _Codec(encode, average)
 
@@ -128,7 +130,10 @@ def _sign_codec(block_size: int) -> _Codec:
     layout = comm.leaf_layout(h.size, rows, block_size)
     h_RxBxL = comm.to_rows(h, layout)
     real_RxB = comm.to_rows(jnp.ones_like(h), layout).sum(-1)   # padding excluded from the mean
-    scales_RxB = jnp.abs(h_RxBxL).sum(-1) / jnp.maximum(real_RxB, 1.0)
+    # sum |h| 2**-k / (real 2**-k): the sum cannot overflow, and it is sum |h| / real exactly.
+    down = quant.mean_factors(layout.block_len)[0]
+    scales_RxB = quant.saturate(
+        (jnp.abs(h_RxBxL) * down).sum(-1) / (jnp.maximum(real_RxB, 1.0) * down))
     payload = Payload(jnp.where(h_RxBxL < 0, -1, 0).astype(jnp.int8), scales_RxB)
     return (payload, layout), comm.from_rows(_sign_values(payload), layout)
 
@@ -143,9 +148,10 @@ def _sign_codec(block_size: int) -> _Codec:
     for j, p in enumerate(payloads):
       codes = quant.unpack(field(2 * j).reshape(n, p.codes.shape[1], -1), 1)
       scales = comm._from_bytes(field(2 * j + 1), jnp.float32, (n, p.scales.shape[1]))
-      shards.append(_sign_values(Payload(codes, scales)).mean(axis=0))
+      shards.append(quant.mean_over_peers(_sign_values(Payload(codes, scales))))
     flags = comm._from_bytes(field(len(offsets) - 1), jnp.float32, (n,))
-    return comm.gather_bf16(shards, layouts, flags.sum(), axis_name)
+    return comm.gather_bf16([quant.saturate(s, jnp.bfloat16) for s in shards], layouts,
+                            flags.sum(), axis_name)
 
   return _Codec(encode, average)
 
@@ -161,10 +167,11 @@ def _scatter_mean(idx_NxK: jax.Array, vals_NxK: jax.Array, size: int) -> jax.Arr
   One scatter-add per device, in device order, each with unique indices: every device adds in
   the same order (no atomics racing on a GPU), so the output is the same on all of them.
   """
+  down, up = quant.mean_factors(idx_NxK.shape[0])  # a sum of x / 2**k never overflows
   summed = jnp.zeros((size,), jnp.float32)
   for idx_K, vals_K in zip(idx_NxK, vals_NxK):
-    summed = summed.at[idx_K].add(vals_K, unique_indices=True)
-  return summed / idx_NxK.shape[0]
+    summed = summed.at[idx_K].add(vals_K * down, unique_indices=True)
+  return quant.saturate(summed * up)
 
 
 def _topk_codec(fraction: float) -> _Codec:
@@ -208,19 +215,30 @@ def _average(codec: _Codec, messages: list, decoded: list[jax.Array], flag: jax.
 
 # --- The transformations ------------------------------------------------------------------------
 
+def _saturating_cast_keeping_inf(x: jax.Array, dtype) -> jax.Array:
+  """x as `dtype`, finite values beyond its range saturating; +-inf and NaN stay as they are."""
+  return jnp.where(jnp.isinf(x), x.astype(dtype), quant.saturating_cast(x, dtype))
+
+
 def _all_reduce(wire_dtype, axis_name: AxisName | None,
                 who: str) -> optax.GradientTransformationExtraArgs:
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
     leaves, treedef = jax.tree.flatten(updates)
     chosen = [i for i, g in enumerate(leaves) if _compressible(g)]
-    wire = [leaves[i].astype(wire_dtype) for i in chosen]
+    wire = [_saturating_cast_keeping_inf(leaves[i], wire_dtype) for i in chosen]
     if axis_name is not None and wire:
-      comm.axis_size(axis_name, who)
-      wire = jax.lax.pmean(wire, axis_name)
+      # The sum inside a mean overflows for finite gradients near the maximum; the mean of
+      # x / 2**k (2**k >= n) cannot, and times 2**k it is the same number (powers of two: exact).
+      down = quant.mean_factors(comm.axis_size(axis_name, who))[0]
+      wire = [x * jnp.asarray(down, x.dtype) for x in wire]
+      # 16-bit floats: a mean that crosses at 16 bits on every backend (comm.mean_16bit).
+      wire = (comm.mean_16bit(wire, axis_name) if wire[0].dtype == jnp.bfloat16
+              else jax.lax.pmean(wire, axis_name))
+      wire = [x * jnp.asarray(1 / down, x.dtype) for x in wire]
     out = list(leaves)
     for i, x in zip(chosen, wire):
-      out[i] = x.astype(leaves[i].dtype)
+      out[i] = _saturating_cast_keeping_inf(x, leaves[i].dtype)
     return treedef.unflatten(out), state
 
   return optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update_fn)
@@ -231,11 +249,13 @@ def uncompressed(axis_name: AxisName | None = None) -> optax.GradientTransformat
 
   Without an axis it is the identity. Non-float and zero-size leaves pass through; the output
   keeps each gradient's dtype (float16 and bfloat16 gradients are averaged in float32). There
-  is no state: a non-finite gradient stays non-finite in its leaf of the output.
+  is no state: a non-finite gradient stays non-finite in its leaf of the output. Finite ones give
+  finite outputs: the mean is that of g / 2**k, times 2**k (exact; no overflow near the float32
+  maximum), and a cast back to a 16-bit leaf saturates at its largest finite value.
 
   Example:
-    >>> opt = optax.chain(baselines.uncompressed(axis_name="data"), optax.adamw(3e-4))
-    >>> state = opt.init(params)                                   # inside jax.shard_map
+    >>> opt = optax.chain(loco_jax.baselines.uncompressed(), optax.adamw(3e-4))
+    >>> state = opt.init(params)             # with an axis_name: inside jax.shard_map
     >>> updates, state = opt.update(grads, state, params)
   """
   return _all_reduce(jnp.float32, axis_name, "uncompressed")
@@ -244,10 +264,16 @@ def uncompressed(axis_name: AxisName | None = None) -> optax.GradientTransformat
 def bf16(axis_name: AxisName | None = None) -> optax.GradientTransformationExtraArgs:
   """Gradients cast to bfloat16, averaged over `axis_name` in bfloat16, cast back to their dtype.
 
-  Without an axis it rounds every float gradient to bfloat16 (PyTorch DDP's bf16 hook).
+  Without an axis it rounds every float gradient to bfloat16 (PyTorch DDP's bf16 hook). With
+  one, a bf16 all-reduce where the backend moves bf16 as is (GPU, TPU); on CPU, whose
+  collectives would widen it to 32 bits, the same 16 bits a value as uint16 all-to-all, float32
+  sum and uint16 all-gather (`comm.mean_16bit`; the HLO accounting shows which ran). Finite
+  gradients beyond bfloat16's range (or means beyond a float16 leaf's) saturate at the largest
+  finite value instead of becoming inf, and the mean is that of g / 2**k, times 2**k (no
+  overflow); non-finite gradients stay non-finite.
 
   Example:
-    >>> opt = optax.chain(baselines.bf16(axis_name="data"), optax.adamw(3e-4))
+    >>> opt = optax.chain(loco_jax.baselines.bf16(), optax.adamw(3e-4))  # or axis_name="data"
     >>> state = opt.init(params)
     >>> updates, state = opt.update(grads, state, params)
   """
@@ -258,30 +284,30 @@ def int_quantized(bits: int = 4, block_size: int = 2048,
                   axis_name: AxisName | None = None) -> optax.GradientTransformationExtraArgs:
   """Absmax block quantization to `bits` without error feedback (like ZeRO++ qgZ).
 
-  Each leaf is cut into blocks of about `block_size` elements with one float32 scale each,
-  s = (2**(bits-1) - 1) / max|g|; d = round(s * g) / s. This is `loco(beta=1.0)`, whose error
-  stays 0. With an axis the output is the mean of every device's d over LoCo's wire: one
+  The leaves are cut into blocks of at most `block_size` elements as `loco`'s buckets cut them,
+  with one float32 scale each, s = (2**(bits-1) - 1) / max|g|; d = round(s * g) / s. It runs
+  `loco(beta=1.0)` from a zero error every step. With an axis the output is the mean of every device's d over LoCo's wire: one
   all-to-all of packed codes and scales, a float32 average of this device's shard, and a
   bfloat16 all-gather (bits + 16 bits a parameter). A non-finite gradient (on any device) makes
-  every output NaN. Non-float and zero-size leaves pass through; dtypes are kept.
+  every output NaN; finite ones give finite outputs (q / s, the mean and the casts saturate at
+  the largest finite value, as in `loco`). Non-float and zero-size leaves pass through; dtypes
+  are kept.
 
   Example:
-    >>> opt = optax.chain(baselines.int_quantized(bits=4), optax.adamw(3e-4))
+    >>> opt = optax.chain(loco_jax.baselines.int_quantized(bits=4), optax.adamw(3e-4))
     >>> state = opt.init(params)
     >>> updates, state = opt.update(grads, state, params)
   """
   _check_bits(bits)
   _check_block_size(block_size)
-  codec = _block_codec(bits, block_size)
+  # loco with beta = 1 and an error that starts at 0 every step: the same blocks (buckets), the
+  # same kernels and wire, and no state to keep.
+  inner = loco(bits, beta=1.0, block_size=block_size, axis_name=axis_name)
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
-    step = _step(updates)
-    if not step.chosen:
-      return updates, state
-    hs = [step.flat(i) for i in step.chosen]
-    messages, decoded = _encode(codec, hs, axis_name, "int_quantized")
-    return step.outputs(*_average(codec, messages, decoded, step.flag, axis_name)), state
+    out, _ = inner.update(updates, inner.init(updates))
+    return out, state
 
   return optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update_fn)
 
@@ -290,23 +316,27 @@ def _feedback(codec: _Codec, axis_name: AxisName | None, who: str,
               beta: float = 0.0) -> optax.GradientTransformationExtraArgs:
   """Classic error feedback around `codec`: h = g + e, send C(h), e' = h - d (float32); with
   `beta`, LoCo's moving average e' = beta e + (1 - beta)(h - d) (an experiments' ablation)."""
+  def init_fn(params):
+    return ErrorFeedbackState(_flat_zeros(params))
+
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
+    trees.check_state_matches(who, updates, state, jax.eval_shape(init_fn, updates))
     step = _step(updates)
     if not step.chosen:
       return updates, state
     errors = step.of(state.error)
-    hs = [step.flat(i) + errors[i] for i in step.chosen]
+    hs = [quant.saturate(step.flat(i) + errors[i]) for i in step.chosen]  # finite, never inf
     messages, decoded = _encode(codec, hs, axis_name, who)
     means, flags = _average(codec, messages, decoded, step.flag, axis_name)
     new_errors = list(errors)
     for i, h, d in zip(step.chosen, hs, decoded):
-      new_errors[i] = h - d if beta == 0 else beta * errors[i] + (1.0 - beta) * (h - d)
+      new_errors[i] = (h - d if beta == 0  # h and d share their sign: no overflow
+                       else quant.saturate(beta * errors[i] + (1.0 - beta) * (h - d)))
     new_errors = _keep_if(jnp.isfinite(flags), new_errors, errors)
     return step.outputs(means, flags), ErrorFeedbackState(step.treedef.unflatten(new_errors))
 
-  return optax.GradientTransformationExtraArgs(
-      lambda params: ErrorFeedbackState(_flat_zeros(params)), update_fn)
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def error_feedback(bits: int = 4, block_size: int = 2048,
@@ -320,10 +350,12 @@ def error_feedback(bits: int = 4, block_size: int = 2048,
   With an axis, create the state inside `jax.shard_map` and declare it with
   `loco_jax.state_specs` (or use `parallel.init_opt_state`): the error differs per device.
   A non-finite gradient (on any device of the axis) makes every output NaN and leaves the
-  state unchanged. Non-float and zero-size leaves pass through; dtypes are kept.
+  state unchanged; finite ones give finite outputs and errors (h = g + e, the means and the
+  casts saturate at the largest finite value). Non-float and zero-size leaves pass through;
+  dtypes are kept.
 
   Example:
-    >>> opt = optax.chain(baselines.error_feedback(bits=4), optax.adamw(3e-4))
+    >>> opt = optax.chain(loco_jax.baselines.error_feedback(bits=4), optax.adamw(3e-4))
     >>> state = opt.init(params)
     >>> updates, state = opt.update(grads, state, params)
   """
@@ -344,10 +376,12 @@ def sign_ef(block_size: int = 2048,
   With an axis, create the state inside `jax.shard_map` and declare it with
   `loco_jax.state_specs` (or use `parallel.init_opt_state`): the error differs per device.
   A non-finite gradient (on any device of the axis) makes every output NaN and leaves the
-  state unchanged. Non-float and zero-size leaves pass through; dtypes are kept.
+  state unchanged; finite ones give finite outputs and errors (h = g + e, the means and the
+  casts saturate at the largest finite value). Non-float and zero-size leaves pass through;
+  dtypes are kept.
 
   Example:
-    >>> opt = optax.chain(baselines.sign_ef(), optax.adamw(3e-4))
+    >>> opt = optax.chain(loco_jax.baselines.sign_ef(), optax.adamw(3e-4))
     >>> state = opt.init(params)
     >>> updates, state = opt.update(grads, state, params)
   """
@@ -368,10 +402,12 @@ def topk_ef(fraction: float = 0.01,
   With an axis, create the state inside `jax.shard_map` and declare it with
   `loco_jax.state_specs` (or use `parallel.init_opt_state`): the error differs per device.
   A non-finite gradient (on any device of the axis) makes every output NaN and leaves the
-  state unchanged. Non-float and zero-size leaves pass through; dtypes are kept.
+  state unchanged; finite ones give finite outputs and errors (h = g + e, the means and the
+  casts saturate at the largest finite value). Non-float and zero-size leaves pass through;
+  dtypes are kept.
 
   Example:
-    >>> opt = optax.chain(baselines.topk_ef(fraction=0.01), optax.adamw(3e-4))
+    >>> opt = optax.chain(loco_jax.baselines.topk_ef(fraction=0.01), optax.adamw(3e-4))
     >>> state = opt.init(params)
     >>> updates, state = opt.update(grads, state, params)
   """
@@ -388,11 +424,12 @@ def ef21(bits: int = 4, block_size: int = 2048,
   same on every device. With an axis, the c_i travel the wire of `int_quantized`, so g follows
   mean_i g_i up to the bfloat16 rounding of the gathered means. Create the state inside
   `jax.shard_map` and declare it with `loco_jax.state_specs`: g_i differs per device. A
-  non-finite gradient (on any device) makes every output NaN and leaves the state unchanged.
-  Non-float and zero-size leaves pass through; dtypes are kept.
+  non-finite gradient (on any device) makes every output NaN and leaves the state unchanged;
+  finite ones give finite outputs and state (differences, sums, means and casts saturate at
+  the largest finite value). Non-float and zero-size leaves pass through; dtypes are kept.
 
   Example:
-    >>> opt = optax.chain(baselines.ef21(bits=4), optax.adamw(3e-4))
+    >>> opt = optax.chain(loco_jax.baselines.ef21(bits=4), optax.adamw(3e-4))
     >>> state = opt.init(params)
     >>> updates, state = opt.update(grads, state, params)
   """
@@ -405,17 +442,18 @@ def ef21(bits: int = 4, block_size: int = 2048,
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
+    trees.check_state_matches("ef21", updates, state, jax.eval_shape(init_fn, updates))
     step = _step(updates)
     if not step.chosen:
       return updates, state
     local, estimate = step.of(state.local), step.of(state.estimate)
-    hs = [step.flat(i) - local[i] for i in step.chosen]
+    hs = [quant.saturate(step.flat(i) - local[i]) for i in step.chosen]
     messages, decoded = _encode(codec, hs, axis_name, "ef21")
     means, flags = _average(codec, messages, decoded, step.flag, axis_name)
     new_local, new_estimate = list(local), list(estimate)
     for i, c, c_mean in zip(step.chosen, decoded, means):
-      new_local[i] = local[i] + c
-      new_estimate[i] = estimate[i] + c_mean
+      new_local[i] = quant.saturate(local[i] + c)
+      new_estimate[i] = quant.saturate(estimate[i] + c_mean)
     new_local, new_estimate = _keep_if(jnp.isfinite(flags), (new_local, new_estimate),
                                        (local, estimate))
     out = step.outputs([new_estimate[i] for i in step.chosen], flags)

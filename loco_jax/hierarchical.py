@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from loco_jax import comm
+from loco_jax import comm, quant, trees
 from loco_jax.loco import (_check_args, _compressible, _feedback_step, _flag, _is_due,
                            _keep_if, _nonfinite_flag, _probe_kernel)
 
@@ -48,7 +48,9 @@ def two_hop(
   times faster than those between nodes, so compressing there saves little time and adds a
   second quantization error; `intra="loco"` is for nodes whose own links are the bottleneck.
   Call it inside `jax.shard_map` over both axes; create the state there too and declare it
-  with `state_specs(state, (node_axis, local_axis))`.
+  with `state_specs(state, (node_axis, local_axis))`. A non-finite gradient (on any device)
+  makes every output NaN and keeps the state; finite gradients give finite outputs and state
+  (both hops saturate as `loco` does, and the reduce-scatter sums g / 2**k).
 
   Example:
     >>> opt = optax.chain(two_hop("node", "local"), optax.adamw(3e-4))
@@ -78,6 +80,7 @@ def two_hop(
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
+    trees.check_state_matches("two_hop", updates, state, jax.eval_shape(init_fn, updates))
     leaves, treedef = jax.tree.flatten(updates)
     flat = lambda tree: [None] * len(leaves) if tree is None else treedef.flatten_up_to(tree)
     local, nodes = comm.axis_size(local_axis, "two_hop"), comm.axis_size(node_axis, "two_hop")
@@ -105,9 +108,10 @@ def two_hop(
       shards = [s.reshape(-1)[: lay.row_len] for s, lay in zip(shards, layouts1)]
     else:
       _, flag = _nonfinite_flag(leaves, chosen)
-      shards = [jax.lax.psum_scatter(comm.shard_rows(g, lay), local_axis, scatter_dimension=0,
-                                     tiled=True).reshape(-1) / local
-                for g, lay in zip(grads, layouts1)]
+      down, up = quant.mean_factors(local)  # a sum of g / 2**k: finite g never overflow it
+      shards = [quant.saturate(jax.lax.psum_scatter(
+          comm.shard_rows(g * down, lay), local_axis, scatter_dimension=0,
+          tiled=True).reshape(-1) * up) for g, lay in zip(grads, layouts1)]
       flags = jax.lax.psum(flag, local_axis)
 
     node_errors, node_scales = flat(state.node_error), flat(state.node_error_scale)
@@ -120,13 +124,14 @@ def two_hop(
       sent.append(fb.sent)
       layouts2.append(lay)
     shards, flags = comm.all_to_all_mean(sent, bits, scale, flags, node_axis)
-    node_shards, flags = comm.gather_bf16(shards, layouts2, flags, node_axis)
+    node_shards, flags = comm.gather_bf16([quant.saturate(s, jnp.bfloat16) for s in shards],
+                                          layouts2, flags, node_axis)
     averaged, flags = comm.gather_bf16(node_shards, layouts1, flags, local_axis)
 
     finite = jnp.isfinite(flags)
     out = list(leaves)
     for i, value in zip(chosen, averaged):
-      out[i] = (value + flags).reshape(leaves[i].shape).astype(leaves[i].dtype)
+      out[i] = quant.saturating_cast((value + flags).reshape(leaves[i].shape), leaves[i].dtype)
     kept = _keep_if(finite, (new_errors, new_error_scales, new_node_errors, new_node_scales),
                     (errors, error_scales, node_errors, node_scales))
     unflat = lambda xs, tree: None if tree is None else treedef.unflatten(xs)

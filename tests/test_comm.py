@@ -52,9 +52,13 @@ def test_output_is_the_mean_of_every_devices_decompressed_gradient(mesh):
     want = jax.tree.map(lambda *xs: np.mean(np.stack(xs), axis=0), *decompressed)
     for k in PARAMS:  # the mean goes through one bf16 gather
       np.testing.assert_allclose(np.asarray(out[k]), want[k], rtol=2 ** -8, atol=1e-6)
-    per_device_error = np.asarray(state.error["w"]).reshape(N, -1)
+    per_device_error = np.asarray(state.error["w"]).reshape(N, -1).astype(int)
     for d in range(N):
-      np.testing.assert_array_equal(per_device_error[d], np.asarray(local_states[d].error["w"]))
+      # Two programs (the mesh step, the local one): FMA contraction of beta e + (1 - beta)(h - d)
+      # differs between them and with the CPU's vector ISA, so a stored code may differ by one
+      # where the residual sits on a rounding boundary, and rarely; never by more.
+      diff = per_device_error[d] - np.asarray(local_states[d].error["w"]).astype(int)
+      assert np.abs(diff).max() <= 1 and np.mean(diff != 0) < 1e-3, np.abs(diff).max()
 
 
 @pytest.mark.parametrize("gather", ["bf16", "quantized"])

@@ -80,3 +80,12 @@ def test_non_finite_gradient_on_one_device_outputs_nan_and_keeps_state(intra):
   assert all(np.all(np.isnan(np.asarray(x))) for x in jax.tree.leaves(out))
   jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)),
                after, state)
+
+
+def test_a_gradient_tree_that_does_not_match_the_state_names_the_leaf():
+  step, state = _step(two_hop(intra="loco"))
+  grads = _grads(0)
+  grads["odd"] = jnp.zeros((NODES, LOCAL, 4, 3))
+  with pytest.raises(ValueError, match=r"two_hop: gradient leaf \['odd'\] has shape \(4, 3\), "
+                                       r"but state.error\['odd'\] has shape \(15,\)"):
+    step(grads, state)

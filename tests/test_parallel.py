@@ -94,6 +94,8 @@ def test_zero2_wire_bits_from_the_hlo():
 
 
 def test_bad_axis_and_batch():
+  with pytest.raises(ValueError, match="num_devices must be in 1..8"):
+    parallel.data_mesh(0)
   mesh = parallel.data_mesh(N)
   with pytest.raises(ValueError, match="'model'"):
     parallel.init_train_state(_params(), optax.adam(1e-2), mesh, compressor=_mean(),
@@ -119,3 +121,85 @@ def test_apply_if_finite_after_the_compressor_skips_a_bad_step_everywhere():
   jax.tree.map(np.testing.assert_array_equal, before,
                jax.tree.map(np.asarray, (state.params, state.compressor_state)))
   assert int(state.opt_state.total_notfinite) == 1
+
+
+def _ndim_mask(params):
+  return jax.tree.map(lambda x: x.ndim > 1, params)
+
+
+def test_zero2_evaluates_a_callable_mask_on_the_full_shapes_like_ddp():
+  # optax evaluates the mask on what it is given: zero2's flat master shards have ndim 1, so
+  # without masks.evaluate_on_full_shapes decay would be off for every leaf.
+  optimizer = lambda: optax.adamw(1e-2, weight_decay=10.0, mask=_ndim_mask)
+  _, ddp, _ = _train("ddp", _mean(), optimizer(), steps=1)
+  _, zero2, _ = _train("zero2", parallel.reduce_scatter("data"), optimizer(), steps=1)
+  zero2_params = parallel.unshard_params(zero2.params, _params())
+  for k, x in _params().items():
+    np.testing.assert_allclose(np.asarray(zero2_params[k]), np.asarray(ddp.params[k]),
+                               rtol=1e-5, atol=1e-6)
+  # Decay did act: one step of lr 1e-2 with weight_decay 10 shrinks w1 by about 10%.
+  ratio = np.linalg.norm(zero2_params["w1"]) / np.linalg.norm(_params()["w1"])
+  assert ratio < 0.95, ratio
+
+
+def test_masks_see_full_shapes_through_inject_hyperparams_and_multi_transform():
+  from loco_jax import masks
+  seen = []
+  labels = lambda p: jax.tree.map(lambda x: seen.append(x.shape) or "decay", p)
+  opt = optax.multi_transform(
+      {"decay": optax.inject_hyperparams(optax.adamw, static_args=("mask",))(
+          1e-2, weight_decay=1.0, mask=_ndim_mask)},
+      labels)
+  assert masks.evaluate_on_full_shapes(opt) == 2
+  shards = jax.tree.map(lambda x: jnp.zeros(x.shape), parallel._local_shard_shapes(_params(), N))
+  with masks.full_shapes(parallel._shapes_of(_params())):
+    opt.init(shards)
+  assert set(seen) == {x.shape for x in jax.tree.leaves(_params())}
+  seen.clear()
+  opt.init(shards)   # outside full_shapes: as optax would, on the shards
+  assert set(seen) == {x.shape for x in jax.tree.leaves(shards)}
+
+
+def test_compute_dtype_applies_in_ddp():
+  _, state, step = _train("ddp", _mean(), steps=1, compute_dtype=jnp.bfloat16)
+  _, _, step32 = _train("ddp", _mean(), steps=1)
+  batch = next(_batches(1))
+  text = step.jitted.lower(state, batch).as_text()
+  assert "bf16" in text and "bf16" not in step32.jitted.lower(state, batch).as_text()
+  ddp_bf16, _, _ = _train("ddp", _mean(), steps=3, compute_dtype=jnp.bfloat16)
+  ddp_f32, _, _ = _train("ddp", _mean(), steps=3)
+  np.testing.assert_allclose(ddp_bf16, ddp_f32, rtol=0.05)
+  assert ddp_bf16 != ddp_f32
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(mode="ddp", param_gather="int8"), "param_gather='int8' is a mode='zero2' option"),
+    (dict(mode="zero2", block_size=512), "block_size .* param_gather='int8'"),
+    (dict(mode="zero2", param_gather="int8", block_size=0), "block_size must be a positive"),
+    (dict(mode="ddp", compute_dtype=jnp.int32), "compute_dtype must be a float dtype"),
+])
+def test_options_that_would_be_ignored_raise(kwargs, match):
+  mesh = parallel.data_mesh(N)
+  specs = parallel.TrainState(None, None, None, None)
+  with pytest.raises(ValueError, match=match):
+    parallel.make_train_step(_loss, optax.adam(1e-2), mesh, specs, _params(),
+                             compressor=parallel.reduce_scatter("data"), **kwargs)
+
+
+def test_scalar_batch_leaf_and_mismatched_trees_name_the_leaf():
+  _, state, step = _train("ddp", _mean(), steps=1)
+  batch = next(_batches(1))
+  with pytest.raises(ValueError, match=r"batch leaf \['scale'\] is a scalar"):
+    step(state, {"x": batch, "scale": jnp.float32(2.0)})
+  with pytest.raises(ValueError, match=r"batch size 12 of batch leaf \['x'\]"):
+    step(state, {"x": jnp.zeros((12, 20))})
+  # zero2 with a compressor that returns whole gradients, not this device's shard.
+  mesh = parallel.data_mesh(N)
+  optimizer = optax.adam(1e-2)
+  state, specs = parallel.init_train_state(_params(), optimizer, mesh, compressor=_mean(),
+                                           mode="zero2")
+  step = parallel.make_train_step(_loss, optimizer, mesh, specs, _params(), compressor=_mean(),
+                                  mode="zero2")
+  with pytest.raises(ValueError, match=r"leaf \['b1'\] has shape \(64,\), .* has \(8,\)"
+                                       r".*reduce-scatter semantics"):
+    step(state, batch)
