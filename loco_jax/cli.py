@@ -2,7 +2,7 @@
 
 import sys
 
-COMMANDS = {"demo": "loco_jax.demo", "bench": "loco_jax.bench"}
+COMMANDS = {"demo": "loco_jax.demo", "bench": "loco_jax.bench", "netbench": "loco_jax.netbench"}
 
 
 def main(argv: list[str] | None = None) -> int:

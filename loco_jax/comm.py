@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from loco_jax import quant
+from loco_jax import quant, wire
 
 AxisName = str | tuple[str, ...]
 
@@ -149,23 +149,78 @@ def all_to_all_mean(payloads: Sequence[Payload], bits: int, fixed_scale, flag: j
   flags (0, or NaN when some peer saw a non-finite gradient).
   """
   buffer, offsets = encode_rows(payloads, bits, flag)
-  received = jax.lax.all_to_all(buffer, axis_name, 0, 0, tiled=True)
+  received = wire.all_to_all(buffer, axis_name)   # chunked where gloo needs it (wire.py)
   values, flags = decode_rows(received, offsets, payloads, bits, fixed_scale)
-  return [v.mean(axis=0) for v in values], flags.sum()
+  return [quant.mean_over_peers(v) for v in values], flags.sum()  # never overflows
+
+
+# XLA:CPU's collectives carry 16-bit floats as 32 bits on the wire (its compiled program
+# converts them to f32 around the collective); their bit patterns as uint16 cross at 16 bits.
+# GPU (NCCL) and TPU (ICI) collectives move bf16 as it is.
+WIDENING_BACKENDS = ("cpu",)
+_FLOAT16 = (jnp.bfloat16, jnp.float16)
+
+
+def _as_uint16(x: jax.Array) -> jax.Array:
+  return jax.lax.bitcast_convert_type(x, jnp.uint16) if x.dtype in _FLOAT16 else x
+
+
+def all_gather(x: jax.Array, axis_name: AxisName, axis: int = 0) -> jax.Array:
+  """`jax.lax.all_gather(tiled=True, to="invarying")` at `x`'s nominal width: 16-bit floats
+  cross as their uint16 bit patterns (a bitcast each side, no rounding); in pieces where the
+  backend needs it (`wire.chunk_bytes`)."""
+  moved = jnp.moveaxis(_as_uint16(x), axis, 0)
+  gathered = jnp.moveaxis(wire.all_gather(moved, axis_name), 0, axis)
+  return jax.lax.bitcast_convert_type(gathered, x.dtype) if x.dtype in _FLOAT16 else gathered
+
+
+def mean_16bit(values: Sequence[jax.Array], axis_name: AxisName,
+               backend: str | None = None) -> list[jax.Array]:
+  """The mean over the axis of 16-bit float arrays, crossing the wire at 16 bits a value.
+
+  Where the backend carries bf16 collectives as they are, one `pmean`. Where it widens them
+  (`WIDENING_BACKENDS`, default: `jax.default_backend()`), a sum cannot run on bit patterns,
+  so: a reduce-scatter by all-to-all of uint16 rows, a local float32 sum of the received
+  shard, rounded once to the 16-bit dtype, and a uint16 all-gather; the same bytes a ring
+  all-reduce sends, 2 (n-1)/n x 16 bits a value. The HLO shows which one ran.
+  """
+  if not values:
+    return []
+  if (backend or jax.default_backend()) not in WIDENING_BACKENDS:
+    return list(jax.lax.pmean(list(values), axis_name))
+  dtype = values[0].dtype
+  if any(v.dtype != dtype or dtype not in _FLOAT16 for v in values):
+    raise ValueError(f"mean_16bit takes bfloat16 or float16 arrays of one dtype, got "
+                     f"{sorted({str(v.dtype) for v in values})}")
+  n = axis_size(axis_name, "mean_16bit")
+  flat = jnp.concatenate([v.reshape(-1) for v in values])
+  row_len = math.ceil(flat.size / n)
+  rows_NxR = jnp.pad(flat, (0, n * row_len - flat.size)).reshape(n, row_len)
+  received_NxR = wire.all_to_all(_as_uint16(rows_NxR), axis_name)
+  peers_NxR = jax.lax.bitcast_convert_type(received_NxR, dtype).astype(jnp.float32)
+  shard_R = quant.sum_rows(peers_NxR) / n
+  full = all_gather(shard_R.astype(dtype), axis_name)[: flat.size]
+  out, start = [], 0
+  for v in values:
+    out.append(full[start: start + v.size].reshape(v.shape))
+    start += v.size
+  return out
 
 
 def gather_bf16(shards: Sequence[jax.Array], layouts: Sequence[LeafLayout], flag: jax.Array,
                 axis_name: AxisName) -> tuple[list[jax.Array], jax.Array]:
-  """All-gathers averaged shards in bfloat16: [blocks, block_len] each -> [size] float32.
+  """All-gathers averaged shards in bfloat16 (as uint16, 16 bits on every backend):
+  [blocks, block_len] each -> [size] float32.
 
   `flag` (the summed peers' flags) rides along so that it comes back replicated over the axis.
   """
-  flat = [s.reshape(1, -1)[:, : lay.row_len].astype(jnp.bfloat16)
+  flat = [_as_uint16(s.reshape(1, -1)[:, : lay.row_len].astype(jnp.bfloat16))
           for s, lay in zip(shards, layouts)]
-  flat.append(jax.lax.bitcast_convert_type(flag.astype(jnp.float32), jnp.bfloat16).reshape(1, 2))
+  flat.append(jax.lax.bitcast_convert_type(flag.astype(jnp.float32), jnp.uint16).reshape(1, 2))
   buffer, offsets = _frame(flat)
-  gathered = jax.lax.all_gather(buffer, axis_name, axis=0, tiled=True, to="invarying")
-  values = [from_rows(gathered[:, a:b].astype(jnp.float32), lay)
+  gathered = wire.all_gather(buffer, axis_name)
+  values = [from_rows(jax.lax.bitcast_convert_type(gathered[:, a:b], jnp.bfloat16)
+                      .astype(jnp.float32), lay)
             for (a, b), lay in zip(offsets, layouts)]
   a, b = offsets[-1]
   return values, jax.lax.bitcast_convert_type(gathered[0, a:b], jnp.float32)
@@ -176,7 +231,7 @@ def gather_packed(payloads: Sequence[Payload], layouts: Sequence[LeafLayout], bi
                   axis_name: AxisName) -> tuple[list[jax.Array], jax.Array]:
   """All-gathers re-quantized shards (one row each) packed to `bits`; -> [size] float32 each."""
   buffer, offsets = encode_rows(payloads, bits, flag)
-  gathered = jax.lax.all_gather(buffer, axis_name, axis=0, tiled=True, to="invarying")
+  gathered = wire.all_gather(buffer, axis_name)
   values, flags = decode_rows(gathered, offsets, payloads, bits, fixed_scale)
   return [from_rows(v, lay) for v, lay in zip(values, layouts)], flags[0]
 
@@ -267,6 +322,18 @@ def lowered_collectives(fn, *args, num_devices: int | None = None) -> list[Colle
   """Lowers `fn` (jitted or not) on `args` and lists its collectives."""
   jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
   text = jitted.lower(*args).as_text(dialect="hlo")
+  return collectives(text, num_devices or jax.device_count())
+
+
+def compiled_collectives(fn, *args, num_devices: int | None = None) -> list[Collective]:
+  """Compiles `fn` on `args` for this backend and lists the collectives the program runs.
+
+  What crosses the wire: the backend's compiler may rewrite collectives after lowering (XLA:CPU
+  widens 16-bit float ones to float32), so where the lowered and compiled HLO differ, this one
+  is right.
+  """
+  jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
+  text = jitted.lower(*args).compile().as_text()
   return collectives(text, num_devices or jax.device_count())
 
 

@@ -1,0 +1,188 @@
+"""netbench: real hosts (network namespaces) on a shaped link; bytes on the wire vs the HLO."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from loco_jax import netbench, netns
+
+TIMEOUT_S = 150
+
+
+def _namespaces_unavailable() -> str | None:
+  """Why namespaces cannot be created here, or None when they can."""
+  missing = netns.missing_requirements()
+  if missing:
+    return "netbench needs " + "; ".join(missing)
+  try:
+    with netns.Network(2, "20mbit"):
+      pass
+  except (RuntimeError, OSError) as e:
+    return f"cannot create network namespaces here: {e}"
+  return None
+
+
+def _processes_with(text: str) -> list[int]:
+  found = []
+  for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+      with open(f"/proc/{pid}/cmdline", "rb") as f:
+        if text.encode() in f.read():
+          found.append(int(pid))
+    except OSError:
+      pass
+  return found
+
+
+@pytest.mark.slow
+def test_two_hosts_on_a_slow_link_send_what_the_compiled_program_says(tmp_path):
+  reason = _namespaces_unavailable()
+  if reason:
+    print(f"SKIP: {reason}")
+    pytest.skip(reason)
+  out = tmp_path / "net.json"
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  proc = subprocess.Popen(
+      [sys.executable, "-m", "loco_jax", "netbench", "--hosts", "2", "--rate", "20mbit",
+       "--params", str(2**18), "--methods", "fp32,loco,loco-quantized", "--steps", "3",
+       "--warmup", "1", "--exchange-only", "--min-rate-fraction", "0", "--timeout", "120",
+       "--json", str(out)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  try:
+    log = proc.communicate(timeout=TIMEOUT_S)[0]
+  except subprocess.TimeoutExpired:
+    proc.terminate()   # netbench removes its hosts on SIGTERM
+    log = proc.communicate(timeout=30)[0]
+    pytest.fail(f"netbench ran past {TIMEOUT_S} s:\n{log[-3000:]}")
+  tag = f"{netns.PREFIX}{proc.pid}-"
+  assert not [n for n in netns.our_namespaces() if n.startswith(tag)], "namespaces left behind"
+  assert not _processes_with(tag), "host processes left behind"
+  assert proc.returncode == 0, log[-3000:]
+  records = {r["method"]: r for r in json.loads(out.read_text())}
+  assert sorted(records) == ["fp32", "loco", "loco-quantized"]
+  for r in records.values():
+    assert (r["hosts"], r["rate"], r["n_params"]) == (2, "20mbit", 2**18)
+    assert r["step_s"] > 0
+    for bits in r["measured_bits_per_host"]:
+      assert abs(bits / r["predicted_bits_per_param"] - 1) <= 0.03, (r["method"], bits, r)
+  fp32 = records["fp32"]["measured_bits_per_param"]
+  # The ring all-reduce's 2 (n-1)/n x 32; LoCo (n-1)/n x (4 + 16) with its bf16 gather (as
+  # uint16: XLA:CPU would widen bf16 to 32 bits) and (n-1)/n x (4 + 4) with the quantized one.
+  assert 31.5 < fp32 < 33.0
+  assert records["loco"]["measured_bits_per_param"] <= 0.32 * fp32
+  assert records["loco-quantized"]["measured_bits_per_param"] <= 0.3 * fp32
+
+
+def test_without_root_or_tools_it_exits_2_naming_what_is_missing(monkeypatch, capsys):
+  monkeypatch.setattr(netns, "missing_requirements", lambda: ["root (run as root)", "the `tc`"])
+  assert netbench.main(["--exchange-only"]) == 2
+  err = capsys.readouterr().err
+  assert "root" in err and "`tc`" in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--exchange-only", "--rate", "fast"], "kbit, mbit or gbit"),
+    (["--exchange-only", "--methods", "fp32,fp64"], "--methods"),
+    (["--exchange-only", "--steps", "0"], "--steps"),
+    (["--train-methods", "fp32,adam"], "--train-methods"),
+    (["--train-model", "512,1,3072"], "--train-model"),
+    (["--train-model", "100,1,64,8"], "n_heads dividing d_model"),
+    (["--train-steps", "2"], "--train-steps"),
+    (["--devices-per-host", "3", "--batch-per-host", "4"], "--batch-per-host"),
+])
+def test_bad_arguments_exit_2_saying_what_is_accepted(argv, message, capsys):
+  assert netbench.main(argv) == 2
+  assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("rate, bits", [("20mbit", 2e7), ("1gbit", 1e9), ("1.5GBIT", 1.5e9),
+                                        ("500kbit", 5e5)])
+def test_rates_as_tc_writes_them(rate, bits):
+  assert netns.rate_bits(rate) == bits
+
+
+def test_burst_is_milliseconds_of_the_rate_and_fits_a_gso_packet():
+  assert netns.burst_bytes("1gbit") == 1_000_000
+  assert netns.burst_bytes("20mbit") == netns.MIN_BURST_BYTES >= 65536
+
+
+def _record(method, measured, predicted, step_s=1.0, rate="1mbit", n_params=1000):
+  return {"method": method, "hosts": 2, "rate": rate, "n_params": n_params, "step_s": step_s,
+          "measured_bits_per_host": measured, "measured_bits_per_param": sum(measured) / 2,
+          "predicted_bits_per_param": predicted, "finite": True}
+
+
+def test_check_flags_bytes_off_the_prediction_and_a_slow_all_reduce():
+  # 1000 params x 32 bits in 40 ms at 1 Mb/s: 80% of the rate.
+  ok = _record("loco", [10.1, 10.05], 10.0)
+  off = _record("bf16", [16.0, 16.5], 16.0)
+  slow = _record("fp32", [32.0, 32.0], 32.0, step_s=0.04)
+  assert netbench.check([ok], 0.9) == []
+  failures = netbench.check([ok, off, slow], 0.9)
+  assert len(failures) == 2
+  assert "bf16" in failures[0] and "3.1%" in failures[0]
+  assert "calibration" in failures[1] and "80%" in failures[1]
+  assert netbench.check([slow], 0.75) == []
+
+
+def test_refuses_to_remove_namespaces_that_are_not_its_own():
+  with pytest.raises(ValueError, match="not a netbench namespace"):
+    netns.remove_namespace("production")
+
+
+def _train_row(method, host, step_s, eval_loss=2.0, bits=10.0, predicted=10.0):
+  return {"kind": "train", "method": method, "host": host, "step_s": step_s,
+          "final_loss": eval_loss, "eval_loss": eval_loss, "n_params": 1_000_000,
+          "tokens_per_step": 512, "measured_bits_per_param": bits, "collectives_s": 0.01,
+          "predicted_bits_per_param": predicted}
+
+
+def test_training_rows_split_the_step_and_carry_the_cost_model():
+  rows = [_train_row("compute", 0, 0.05), _train_row("compute", 1, 0.06),
+          _train_row("fp32", 0, 0.20, bits=32.1, predicted=32.0),
+          _train_row("fp32", 1, 0.25, bits=32.0, predicted=32.0),
+          _train_row("loco", 0, 0.10, eval_loss=2.02, bits=10.0, predicted=10.0),
+          _train_row("loco", 1, 0.09, eval_loss=2.04, bits=10.1, predicted=10.0),
+          {"kind": "result", "method": "fp32"}]
+  records = {r["method"]: r for r in netbench.summarize_training(rows, 2, "100mbit")}
+  fp32, loco = records["fp32"], records["loco"]
+  assert fp32["step_s"] == 0.25 and fp32["compute_s"] == 0.06   # the slowest host's
+  assert abs(fp32["exchange_s"] - 0.19) < 1e-12
+  assert fp32["tokens_per_s"] == 512 / 0.25
+  assert abs(loco["eval_loss"] - 2.03) < 1e-12
+  # 32 bits x 1M params at 100 Mb/s: 0.32 s after the compute; Table I: (32 + 32) / 2 bits.
+  assert abs(fp32["predicted_step_s"] - (0.06 + 0.32)) < 1e-9
+  assert abs(fp32["cost_model_step_s"] - (0.06 + 0.32)) < 1e-9
+  assert abs(loco["cost_model_step_s"] - (0.06 + 0.1)) < 1e-9
+  assert netbench.check_training(list(records.values())) == []
+  assert "fp32" in netbench.format_training_table([fp32])[2]
+  bad = netbench.summarize_training(rows[:2] + [_train_row("bf16", h, 0.1, bits=17.0,
+                                                           predicted=16.0) for h in (0, 1)],
+                                    2, "100mbit")
+  (failure,) = netbench.check_training(bad)
+  assert "bf16" in failure and "6.2%" in failure
+  with pytest.raises(RuntimeError, match="compute step"):
+    netbench.summarize_training(rows[2:], 2, "100mbit")
+
+
+def test_the_collectives_replay_runs_the_steps_collectives_as_compiled():
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  from loco_jax import comm, loco, netbench_worker, parallel, wire
+  mesh = parallel.data_mesh(8)
+  with wire.chunking(1024):   # the pieces of a chunked step, each replayed as it is
+    step, state = netbench_worker._exchange("loco", 40_000, mesh, jax, jnp, P)
+    grads = jax.device_put(np.ones((8, 40_000), np.float32), NamedSharding(mesh, P("data")))
+    found = comm.compiled_collectives(step, grads, state)
+  replay = netbench_worker.collectives_only(found, mesh, jax, jnp, P)
+  ones = jax.device_put(np.ones(8, np.float32), NamedSharding(mesh, P("data")))
+  replayed = comm.compiled_collectives(replay, ones)
+  key = lambda c: (c.op, c.dtype, c.nbytes)
+  assert len(found) > 3 and sorted(map(key, replayed)) == sorted(map(key, found))
+  np.testing.assert_array_equal(np.asarray(replay(ones)), np.ones(8))
