@@ -4,8 +4,8 @@
 #   experiments/gpu_bench.sh                      # from anywhere; runs in the repository root
 #   PYTHON=/opt/venv/bin/python experiments/gpu_bench.sh
 #
-# 1. `loco-jax bench --check-kernels`: the Pallas (Triton) kernels against the jnp path bit for
-#    bit, jnp against loco(), dequantize_mean against numpy, on the GPU.
+# 1. `loco-jax bench --check-kernels`: the jnp path and the Pallas (Triton) kernels against the
+#    float64 reference (compress step and dequantize_mean), and what `auto` runs, on the GPU.
 # 2. `loco-jax bench --json runs/bench-gpu.json`: LoCo's step on 2**30 float32 against
 #    optax.adamw and a device copy, the Pallas tile sweep, wire bits (8 host CPUs, HLO), the
 #    Huffman codec against zlib/zstd (host), and the cost model. The table is printed and also

@@ -1,13 +1,13 @@
 """Fused LoCo compress step (compensate, quantize, pack, error update) and the receive-side mean."""
 
 import functools
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from loco_jax import quant
+from loco_jax import quant, reference
 
 try:
   from jax.experimental import pallas as pl
@@ -18,13 +18,15 @@ IMPLEMENTATIONS = ("auto", "jnp", "pallas")
 # Pallas tiles: scale blocks per program instance (each tile row is one whole scale block, so
 # the absmax never crosses program instances) and Triton warps per instance.
 # On an H200 one block of 2048 with 4 warps ran fastest (2**28 values: 0.75 ms; 2 blocks 0.79;
-# 4 blocks with 8 warps 3.8 ms on 2**30 against 3.3 for one block; experiments/gpu_kernel_probe).
+# 4 blocks with 8 warps 3.8 ms on 2**30 against 3.3 for one block; docs/PERFORMANCE.md).
 TILE_BLOCKS = {"gpu": 1, "tpu": 32, "cpu": 8}
 NUM_WARPS = 4
-# The jnp path on CPU works through this many scale blocks at a time (see `_compress_jnp`):
-# 2**24 values on 2 EPYC cores took 0.74x adamw's time untiled, 0.50x by 32 blocks, 0.31-0.37x
-# by 256-512 blocks (per-tile overheads fall; 7-14 MiB of temporaries still sit in L3).
-CPU_TILE_BLOCKS = 256
+# On GPU, buckets of shorter blocks (a small leaf's remainder) take the jnp path.
+GPU_MIN_BLOCK = 128
+# The jnp path on CPU works through this many blocks of 2048 at a time (see `_compress_jnp`):
+# on 2**24 values (2 shared EPYC cores, 2026-12-01) the step took 1.24x adamw's time untiled
+# and 0.56x by tiles of 64 or 256 blocks (the materialized h and residual stay in cache).
+CPU_TILE_BLOCKS = 64
 
 
 class Compressed(NamedTuple):
@@ -37,73 +39,29 @@ class Compressed(NamedTuple):
   decompressed: jax.Array | None  # float32 [size], loco's local-mode output (if asked for)
 
 
-# --- The arithmetic, written once for every implementation ----------------------------------
+# --- The arithmetic, written once for the jnp path and the Pallas kernels ---------------------
 #
-# Every operation rounds once. Compilers contract a product that feeds an add into one FMA (one
-# rounding instead of two): XLA:CPU does (its objects for loco().update hold vfmadd where the
-# loop was vectorized), LLVM's GPU backends and Triton do by default. Whether it happens depends
-# on how a fusion's loops are emitted (on CPU, unswitching the loop on the per-block `scale > 0`
-# test exposes the product to the add), so two programs with the same math differ in the last
-# bit. `_sealed` puts a per-element select between such a product and its add: no rewrite that
-# keeps IEEE semantics (no nsz/nnan flags) can fuse them, so the result is the exactly rounded
-# one whatever the program around it. On Triton every operation is explicit PTX: `.rn`
-# multiplies and adds, and XLA:GPU's own (not correctly rounded) division and reciprocal.
+# Plain float32 arithmetic: each implementation is held to the float64 reference
+# (`reference.check_step`) within float32 rounding, not to the others bit for bit, so compilers
+# may contract products into FMAs. A given program is deterministic run to run.
 
 
-class _Ops(NamedTuple):
-  """Elementwise float32 arithmetic, never contracted, rounded as XLA rounds on the backend."""
-  mul: Callable
-  add: Callable
-  div: Callable
-  reciprocal: Callable
-  round: Callable   # round half to even, to an integer-valued float
-
-
-_XLA_OPS = _Ops(jnp.multiply, jnp.add, jnp.divide, lambda x: 1.0 / x, jnp.round)
-
-
-def _triton_ops() -> _Ops:
-  """PTX that rounds as XLA:GPU does. Its division is not IEEE: measured on an H200 (jax 0.11.2,
-  experiments/gpu_kernel_probe.py), a / b matched div.full.f32 and 1 / x rcp.approx.f32, 29%
-  and 14% of random quotients differing from the correctly rounded ones; its multiplies and
-  adds were `.rn` and never contracted. `.rn` arithmetic is never contracted by ptxas."""
-  from jax.experimental.pallas import triton as pltriton
-
-  def asm(code: str, *args):
-    args = jnp.broadcast_arrays(*[jnp.asarray(a, jnp.float32) for a in args])
-    return pltriton.elementwise_inline_asm(
-        code, args=list(args), constraints="=r" + ",r" * len(args), pack=1,
-        result_shape_dtypes=[jax.ShapeDtypeStruct(args[0].shape, jnp.float32)])[0]
-
-  return _Ops(mul=lambda a, b: asm("mul.rn.f32 $0, $1, $2;", a, b),
-              add=lambda a, b: asm("add.rn.f32 $0, $1, $2;", a, b),
-              div=lambda a, b: asm("div.full.f32 $0, $1, $2;", a, b),
-              reciprocal=lambda x: asm("rcp.approx.f32 $0, $1;", x),
-              round=lambda a: asm("cvt.rni.f32.f32 $0, $1;", a))
-
-
-def _sealed(x: jax.Array) -> jax.Array:
-  """x, with NaN read as 0, through a per-element select that no compiler fuses into an add."""
-  return jnp.where(jnp.isnan(x), 0.0, x)
-
-
-def _absmax_scale(absmax: jax.Array, bits: int, ops: _Ops) -> jax.Array:
+def _absmax_scale(absmax: jax.Array, bits: int) -> jax.Array:
   """quant.absmax_scale from a precomputed max|x|: qmax / absmax, 0 if vanishing or not finite."""
   usable = (absmax > quant.VANISHING) & jnp.isfinite(absmax)
-  safe = jnp.where(usable, absmax, 1.0)
-  return jnp.where(usable, ops.div(jnp.full_like(safe, max(quant.int_range(bits)[1], 1)), safe),
-                   0.0)
+  scale = np.float32(max(quant.int_range(bits)[1], 1)) / jnp.where(usable, absmax, 1.0)
+  return jnp.where(usable, jnp.maximum(scale, quant.TINY), 0.0)
 
 
-def _reciprocal(scale: jax.Array, ops: _Ops) -> jax.Array:
-  """1 / scale where scale > 0: quant.decompress's q / s is computed (by XLA) as q * (1 / s)."""
-  return ops.reciprocal(jnp.where(scale > 0, scale, 1.0))
+def _reciprocal(scale: jax.Array) -> jax.Array:
+  """1 / scale where scale > 0 (else 1): q / s is computed as q * (1 / s), one division a block."""
+  return 1.0 / jnp.where(scale > 0, scale, 1.0)
 
 
-def _quantize(x: jax.Array, scale: jax.Array, bits: int, ops: _Ops) -> jax.Array:
+def _quantize(x: jax.Array, scale: jax.Array, bits: int) -> jax.Array:
   """Eq. (1), integer-valued float32: clip(round_half_even(scale * x), qmin, qmax)."""
   qmin, qmax = quant.int_range(bits)
-  return jnp.clip(ops.round(ops.mul(scale, x)), qmin, qmax)
+  return jnp.clip(jnp.round(scale * x), qmin, qmax)
 
 
 def _max_abs(planes: list[jax.Array]) -> jax.Array:
@@ -112,82 +70,104 @@ def _max_abs(planes: list[jax.Array]) -> jax.Array:
                                         for x in planes])
 
 
+def _fixed_or_absmax(fixed, absmax: jax.Array, bits: int) -> jax.Array:
+  if fixed is None:
+    return _absmax_scale(absmax, bits)
+  return jnp.full_like(absmax, fixed)
+
+
 def _step(g: list[jax.Array], error: list[jax.Array], error_scale: jax.Array, bits: int,
-          error_bits: int, beta: float, ops: _Ops, with_decompressed: bool):
+          error_bits: int, beta, fixed_scale, fixed_error_scale, with_decompressed: bool):
   """LoCo's step on the planes of whole scale blocks ([rows, width] each; scales [rows, 1]).
 
   Returns the codes q (integer-valued float32 planes), the scales, the new error codes (planes),
-  the new error scales and, if asked for, the decompressed planes.
+  the new error scales, [rows, 1] bool "every g of the block was finite" and, if asked for,
+  the decompressed planes. Saturating where loco's unfused step does (quant.saturate): e,
+  h = g + e, q / s and the residual stay finite for finite g near the float32 maximum.
   """
-  has_error = error_scale > 0
-  error_step = _reciprocal(error_scale, ops)
-  e = [jnp.where(has_error, ops.mul(c.astype(jnp.float32), error_step), 0.0) for c in error]
-  h = [ops.add(gi, _sealed(ei)) for gi, ei in zip(g, e)]
-  scale = _absmax_scale(_max_abs(h), bits, ops)
-  sent, step = scale > 0, _reciprocal(scale, ops)
-  q = [_quantize(x, scale, bits, ops) for x in h]
-  # h - d as h + (-q / s): an add, so that the select in `_sealed` cannot be folded away.
-  h_minus_d = [ops.add(hi, _sealed(jnp.where(sent, ops.mul(-qi, step), 0.0)))
-               for hi, qi in zip(h, q)]
-  beta_f32, rest_f32 = np.float32(beta), np.float32(1.0 - beta)  # loco's beta, (1.0 - beta)
-  residual = [ops.add(_sealed(ops.mul(beta_f32, ei)), _sealed(ops.mul(rest_f32, hd)))
-              for ei, hd in zip(e, h_minus_d)]
-  new_scale = _absmax_scale(_max_abs(residual), error_bits, ops)
-  new_error = [_quantize(r, new_scale, error_bits, ops) for r in residual]
-  d = ([jnp.where(sent, ops.mul(qi, step), 0.0) for qi in q] if with_decompressed else None)
-  return q, scale, new_error, new_scale, d
+  sat = quant.saturate
+  has_error, error_step = error_scale > 0, _reciprocal(error_scale)
+  e = [jnp.where(has_error, sat(c.astype(jnp.float32) * error_step), 0.0) for c in error]
+  # A non-finite g marks its block with inf: the block's max keeps it (XLA:CPU's max drops NaN).
+  h = [jnp.where(jnp.isfinite(gi), sat(gi + ei), jnp.inf) for gi, ei in zip(g, e)]
+  absmax = _max_abs(h)
+  scale = _fixed_or_absmax(fixed_scale, absmax, bits)
+  sent, step = scale > 0, _reciprocal(scale)
+  q = [_quantize(x, scale, bits) for x in h]
+  d = [jnp.where(sent, sat(qi * step), 0.0) for qi in q]
+  keep, mix = (np.float32(beta), np.float32(1.0 - beta)) if _is_constant(beta) else (
+      beta, 1.0 - beta)
+  residual = [sat(keep * ei + mix * (hi - di)) for ei, hi, di in zip(e, h, d)]
+  new_scale = _fixed_or_absmax(fixed_error_scale, _max_abs(residual), error_bits)
+  new_error = [_quantize(r, new_scale, error_bits) for r in residual]
+  return q, scale, new_error, new_scale, jnp.isfinite(absmax), d if with_decompressed else None
 
 
-def _all_finite_rows(planes: list[jax.Array]) -> jax.Array:
-  """[rows, 1] int32, 1 where every value of the row is finite (a min: Triton has no `all`)."""
-  return functools.reduce(jnp.minimum, [
-      jnp.min(jnp.isfinite(x).astype(jnp.int32), axis=-1, keepdims=True) for x in planes])
+def _is_constant(x) -> bool:
+  return not isinstance(x, jax.core.Tracer)
 
 
 # --- jnp: the XLA formulation -------------------------------------------------------------
 
 
-def _compress_whole(g_BxL, error_BxL, error_scale_B, bits, error_bits, beta, with_decompressed):
-  q, scale, new_error, new_scale, d = _step(
-      [g_BxL], [error_BxL], error_scale_B[:, None], bits, error_bits, beta, _XLA_OPS,
-      with_decompressed)
+def _compress_whole(g_BxL, error_BxL, error_scale_B, bits, error_bits, beta, fixed_scale,
+                    fixed_error_scale, with_decompressed):
+  q, scale, new_error, new_scale, finite, d = _step(
+      [g_BxL], [error_BxL], error_scale_B[:, None], bits, error_bits, beta, fixed_scale,
+      fixed_error_scale, with_decompressed)
   return (quant.pack(q[0].astype(jnp.int8), bits), scale[:, 0], new_error[0].astype(jnp.int8),
-          new_scale[:, 0], jnp.all(jnp.isfinite(g_BxL)), d[0] if with_decompressed else None)
+          new_scale[:, 0], jnp.all(finite), d[0] if with_decompressed else None)
 
 
-def _compress_jnp(g_BxL, error_BxL, error_scale_B, bits, error_bits, beta, with_decompressed,
-                  backend):
+def _compress_jnp(g_BxL, error_BxL, error_scale_B, bits, error_bits, beta, fixed_scale,
+                  fixed_error_scale, with_decompressed, backend):
   """The XLA formulation. XLA:CPU materializes every reduction's input (h, then the residual),
-  so on CPU the step runs tile by tile (`CPU_TILE_BLOCKS` blocks) and those passes stay in
-  cache; elsewhere XLA fuses the reductions into their producers and takes the whole vector."""
+  so on CPU the step runs tile by tile (about `CPU_TILE_BLOCKS` blocks of 2048) and those
+  passes stay in cache; elsewhere XLA fuses the reductions into their producers and takes the
+  whole vector."""
   blocks, block_size = g_BxL.shape
-  tile = _tile(blocks, CPU_TILE_BLOCKS)
+  tile = min(blocks, max(1, CPU_TILE_BLOCKS * 2048 // block_size))
   step = functools.partial(_compress_whole, bits=bits, error_bits=error_bits, beta=beta,
+                           fixed_scale=fixed_scale, fixed_error_scale=fixed_error_scale,
                            with_decompressed=with_decompressed)
   if backend != "cpu" or tile == blocks:
     out = step(g_BxL, error_BxL, error_scale_B)
   else:
-    tiles = lambda x: x.reshape(blocks // tile, tile, *x.shape[1:])
-    out = jax.lax.map(lambda t: step(*t), (tiles(g_BxL), tiles(error_BxL), tiles(error_scale_B)))
-    out = [jnp.all(x) if i == 4 else None if x is None else x.reshape(blocks, *x.shape[2:])
-           for i, x in enumerate(out)]
+    out = _tiled(step, (g_BxL, error_BxL, error_scale_B), blocks, tile)
   packed, scale, new_error, new_scale, finite, d = out
   return (packed, scale, new_error.reshape(-1), new_scale, finite,
           None if d is None else d.reshape(-1))
 
 
-def _dequantize(word: jax.Array, scale: jax.Array, bits: int, ops: _Ops) -> list[jax.Array]:
-  """uint8 words (as int32) [rows, width] -> the `8 // bits` sealed decompressed planes."""
+def _tiled(step, inputs, blocks: int, tile: int):
+  """`step` over tiles of `tile` blocks, in a loop. The last tile ends at the last block (it may
+  overlap the one before: blocks are independent, so they are computed again, identically)."""
+  at = lambda i: jnp.minimum(i * tile, blocks - tile)
+  take = lambda x, i: jax.lax.dynamic_slice_in_dim(x, at(i), tile)
+  shapes = jax.eval_shape(step, *[take(x, 0) for x in inputs])
+  outs = [None if s is None else jnp.zeros((blocks, *s.shape[1:]), s.dtype) if s.ndim else
+          jnp.bool_(True) for s in shapes]
+  # Under jax.shard_map the loop's carry varies over the axes that the inputs vary over.
+  axes = tuple(jax.typeof(inputs[0]).manual_axis_type.varying)
+  if axes:
+    outs = [None if o is None else jax.lax.pcast(o, axes, to="varying") for o in outs]
+
+  def body(i, outs):
+    got = step(*[take(x, i) for x in inputs])
+    return [None if o is None else o & r if o.ndim == 0 else
+            jax.lax.dynamic_update_slice_in_dim(o, r, at(i), 0) for o, r in zip(outs, got)]
+
+  return jax.lax.fori_loop(0, -(-blocks // tile), body, outs)
+
+
+def _dequantize(word: jax.Array, scale: jax.Array, bits: int, down: float = 1.0) -> list[jax.Array]:
+  """uint8 words (as int32) [rows, width] -> the `8 // bits` decompressed planes (q / s
+  saturated as quant.decompress does), each times `down` (a power of two: exact)."""
   qmin, mask = quant.int_range(bits)[0], (1 << bits) - 1
-  step, sent = _reciprocal(scale, ops), scale > 0
-  return [_sealed(jnp.where(
-      sent, ops.mul((((word >> (t * bits)) & mask) + qmin).astype(jnp.float32), step), 0.0))
+  step, sent = _reciprocal(scale), scale > 0
+  return [jnp.where(sent, quant.saturate(
+      (((word >> (t * bits)) & mask) + qmin).astype(jnp.float32) * step) * np.float32(down), 0.0)
           for t in range(8 // bits)]
-
-
-def _inverse_count(n: int) -> np.float32:
-  """1 / n rounded once to float32: XLA turns a mean's division by n into this product."""
-  return np.float32(1) / np.float32(n)
 
 
 # Up to this many peers the jnp mean is one unrolled fusion; beyond, a loop over the peers.
@@ -195,35 +175,38 @@ UNROLLED_PEERS = 64
 
 
 def _mean_jnp(packed_NxBxP, scales_NxB, bits):
-  """sum_j q_j / s_j, added in peer order from 0 (numpy's order for a mean over axis 0), * 1/N."""
+  """sum_j q_j / s_j, added in peer order from 0, * 1/N, without overflow: as
+  quant.mean_over_peers, sum_j (q_j / s_j) 2**-k, times 2**k / N."""
   shards = packed_NxBxP.shape[0]
+  down, up = quant.mean_factors(shards)
   if 8 % bits:
     codes = quant.unpack(packed_NxBxP, bits).astype(jnp.float32)
-    step = _reciprocal(scales_NxB[..., None], _XLA_OPS)
-    peer = lambda j: _sealed(jnp.where(scales_NxB[j][..., None] > 0, codes[j] * step[j], 0.0))
+    step = _reciprocal(scales_NxB[..., None])
+    peer = lambda j: jnp.where(scales_NxB[j][..., None] > 0,
+                               quant.saturate(codes[j] * step[j]) * np.float32(down), 0.0)
   else:
     peer = lambda j: jnp.concatenate(_dequantize(
-        packed_NxBxP[j].astype(jnp.int32), scales_NxB[j][..., None], bits, _XLA_OPS), -1)
+        packed_NxBxP[j].astype(jnp.int32), scales_NxB[j][..., None], bits, down), -1)
   total = jnp.zeros(packed_NxBxP.shape[1:2] + (packed_NxBxP.shape[2] * 8 // bits,), jnp.float32)
   if shards <= UNROLLED_PEERS:
     for j in range(shards):
       total = total + peer(j)
   else:
     total = jax.lax.fori_loop(0, shards, lambda j, acc: acc + peer(j), total)
-  return (total * _inverse_count(shards)).reshape(-1)
+  return quant.saturate(total * np.float32(up)).reshape(-1)
 
 
 # --- Pallas: one program instance per tile of whole scale blocks, one pass over memory -------
 
 
 def _compress_kernel(g_ref, e_ref, es_ref, packed_ref, scale_ref, new_e_ref, new_es_ref,
-                     finite_ref, *d_ref, bits, error_bits, beta, ops):
+                     finite_ref, *d_ref, bits, error_bits, beta, fixed_scale, fixed_error_scale):
   """Planes are the `8 // bits` column ranges that share a byte (quant.pack's layout)."""
   width = g_ref.shape[1] * bits // 8
   planes = [pl.ds(t * width, width) for t in range(8 // bits)]
-  g = [g_ref[:, p] for p in planes]
-  q, scale, new_error, new_scale, d = _step(
-      g, [e_ref[:, p] for p in planes], es_ref[...], bits, error_bits, beta, ops, bool(d_ref))
+  q, scale, new_error, new_scale, finite, d = _step(
+      [g_ref[:, p] for p in planes], [e_ref[:, p] for p in planes], es_ref[...], bits,
+      error_bits, beta, fixed_scale, fixed_error_scale, bool(d_ref))
   qmin = quant.int_range(bits)[0]
   word = None
   for t, p in enumerate(planes):
@@ -235,36 +218,39 @@ def _compress_kernel(g_ref, e_ref, es_ref, packed_ref, scale_ref, new_e_ref, new
   packed_ref[...] = word.astype(jnp.uint8)
   scale_ref[...] = scale
   new_es_ref[...] = new_scale
-  finite_ref[...] = _all_finite_rows(g)
+  finite_ref[...] = finite.astype(jnp.int32)
 
 
-def _mean_kernel(packed_ref, scales_ref, out_ref, *, shards, bits, ops):
+def _mean_kernel(packed_ref, scales_ref, out_ref, *, shards, bits):
   width = packed_ref.shape[2]
+  down, up = quant.mean_factors(shards)
 
   def add_shard(j, sums):
-    planes = _dequantize(packed_ref[j].astype(jnp.int32), scales_ref[j], bits, ops)
-    return tuple(ops.add(s, v) for s, v in zip(sums, planes))  # peer order, from 0
+    planes = _dequantize(packed_ref[j].astype(jnp.int32), scales_ref[j], bits, down)
+    return tuple(s + v for s, v in zip(sums, planes))
 
   zeros = tuple(jnp.zeros((out_ref.shape[0], width), jnp.float32) for _ in range(8 // bits))
   sums = jax.lax.fori_loop(0, shards, add_shard, zeros)
   for t, s in enumerate(sums):
-    out_ref[:, pl.ds(t * width, width)] = ops.mul(s, _inverse_count(shards))
+    out_ref[:, pl.ds(t * width, width)] = quant.saturate(s * np.float32(up))
 
 
 def _pallas_settings(backend: str, interpret: bool | None, tile_blocks: int | None,
-                     num_warps: int | None):
-  """(interpret, ops, compiler_params, tile_blocks) for a Pallas call on `backend`."""
+                     num_warps: int | None, block_len: int):
+  """(interpret, compiler_params, tile_blocks) for a Pallas call on `backend`. Blocks shorter
+  than 2048 are taken several to a program (a program of a few values is all overhead)."""
   interpret = backend == "cpu" if interpret is None else interpret
+  short = max(1, 2048 // block_len)
   if interpret:
-    return True, _XLA_OPS, None, tile_blocks or TILE_BLOCKS["cpu"]
-  tile_blocks = tile_blocks or TILE_BLOCKS.get(backend, 1)
+    return True, None, tile_blocks or TILE_BLOCKS["cpu"] * short
+  tile_blocks = tile_blocks or TILE_BLOCKS.get(backend, 1) * short
   if backend == "gpu":
     from jax.experimental.pallas import triton as pltriton
-    params = pltriton.CompilerParams(num_warps=num_warps or NUM_WARPS, num_stages=1)
-    return False, _triton_ops(), params, tile_blocks
+    return False, pltriton.CompilerParams(num_warps=num_warps or NUM_WARPS,
+                                          num_stages=1), tile_blocks
   if backend == "tpu":
     from jax.experimental.pallas import tpu as pltpu
-    return False, _XLA_OPS, pltpu.CompilerParams(dimension_semantics=("parallel",)), tile_blocks
+    return False, pltpu.CompilerParams(dimension_semantics=("parallel",)), tile_blocks
   raise ValueError(f"no compiled Pallas path on backend {backend!r}; pass interpret=True")
 
 
@@ -290,11 +276,12 @@ def _out_shape(shape: tuple, dtype, like: jax.Array) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.typeof(like).manual_axis_type)
 
 
-def _compress_pallas(g_BxL, error_BxL, error_scale_B, bits, error_bits, beta, with_decompressed,
-                     backend, interpret, tile_blocks, num_warps):
+def _compress_pallas(g_BxL, error_BxL, error_scale_B, bits, error_bits, beta, fixed_scale,
+                     fixed_error_scale, with_decompressed, backend, interpret, tile_blocks,
+                     num_warps):
   blocks, block_size = g_BxL.shape
-  interpret, ops, params, tile_blocks = _pallas_settings(backend, interpret, tile_blocks,
-                                                         num_warps)
+  interpret, params, tile_blocks = _pallas_settings(backend, interpret, tile_blocks, num_warps,
+                                                    block_size)
   tile = _tile(blocks, tile_blocks)
   nbytes = block_size * bits // 8
   g_BxL, error_BxL, error_scale_B = _same_varying_axes(g_BxL, error_BxL, error_scale_B)
@@ -303,9 +290,10 @@ def _compress_pallas(g_BxL, error_BxL, error_scale_B, bits, error_bits, beta, wi
             ((blocks, block_size), jnp.int8), ((blocks, 1), jnp.float32),
             ((blocks, 1), jnp.int32)] + ([((blocks, block_size), jnp.float32)]
                                          if with_decompressed else [])
+  kernel = functools.partial(_compress_kernel, bits=bits, error_bits=error_bits, beta=beta,
+                             fixed_scale=fixed_scale, fixed_error_scale=fixed_error_scale)
   outs = pl.pallas_call(
-      functools.partial(_compress_kernel, bits=bits, error_bits=error_bits, beta=beta, ops=ops),
-      out_shape=[_out_shape(s, t, g_BxL) for s, t in shapes], grid=(blocks // tile,),
+      kernel, out_shape=[_out_shape(s, t, g_BxL) for s, t in shapes], grid=(blocks // tile,),
       in_specs=[rows(block_size), rows(block_size), rows(1)],
       out_specs=[rows(s[1]) for s, _ in shapes],
       interpret=interpret, compiler_params=params, name="loco_compress_step",
@@ -317,13 +305,13 @@ def _compress_pallas(g_BxL, error_BxL, error_scale_B, bits, error_bits, beta, wi
 
 def _mean_pallas(packed_NxBxP, scales_NxB, bits, backend, interpret, tile_blocks, num_warps):
   shards, blocks, nbytes = packed_NxBxP.shape
-  interpret, ops, params, tile_blocks = _pallas_settings(backend, interpret, tile_blocks,
-                                                         num_warps)
-  tile = _tile(blocks, tile_blocks)
   block_len = nbytes * 8 // bits
+  interpret, params, tile_blocks = _pallas_settings(backend, interpret, tile_blocks, num_warps,
+                                                    block_len)
+  tile = _tile(blocks, tile_blocks)
   packed_NxBxP, scales_NxB = _same_varying_axes(packed_NxBxP, scales_NxB)
   out = pl.pallas_call(
-      functools.partial(_mean_kernel, shards=shards, bits=bits, ops=ops),
+      functools.partial(_mean_kernel, shards=shards, bits=bits),
       out_shape=_out_shape((blocks, block_len), jnp.float32, packed_NxBxP),
       grid=(blocks // tile,),
       in_specs=[pl.BlockSpec((shards, tile, nbytes), lambda i: (0, i, 0)),
@@ -334,36 +322,50 @@ def _mean_pallas(packed_NxBxP, scales_NxB, bits, backend, interpret, tile_blocks
   return out.reshape(-1)
 
 
-# --- Choosing the implementation -----------------------------------------------------------
+# --- Choosing the implementation: each is checked against the float64 reference -------------
 
 
-def _pallas_unsupported(bits: int, block_size: int, beta, backend: str,
-                        peers: int = 1) -> str | None:
+def _pallas_unsupported(bits: int, block_size: int, beta, backend: str, peers: int = 1,
+                        fixed=(None, None)) -> str | None:
   """Why the Pallas path cannot run these settings (None when it can)."""
   if pl is None:
     return "jax.experimental.pallas does not import here"
   if 8 % bits:
     return f"bits={bits} does not divide 8 (bit-plane packing is jnp only)"
-  if isinstance(beta, jax.core.Tracer):
-    return "beta is traced (the kernel bakes it in as a constant)"
+  if not all(_is_constant(x) for x in (beta, *fixed)):
+    return "beta or a fixed scale is traced (the kernel bakes them in as constants)"
   if backend == "gpu" and block_size & (block_size - 1):
     return f"Triton tiles need a power-of-two block_size, got {block_size}"
   if backend == "gpu" and peers & (peers - 1):
     return f"Triton tiles need a power-of-two number of peers, got {peers}"
+  if backend == "gpu" and block_size < GPU_MIN_BLOCK:
+    return f"blocks of {block_size} < {GPU_MIN_BLOCK} values run on jnp (Triton tiles that small)"
   return None
 
 
-@functools.cache
-def pallas_report(backend: str, bits: int = 4, error_bits: int = 8, beta: float = 0.8,
-                  block_size: int = 2048, tile_blocks: int | None = None,
-                  num_warps: int | None = None, interpret: bool | None = None) -> str:
-  """"match" if the Pallas kernels run here and agree with the jnp path bit for bit, else
-  "mismatch: ..." (which outputs, how many elements) or "error: ..." (why it did not run).
+def _check_data(blocks: int, block_size: int, seed: int) -> np.ndarray:
+  """Normal values whose blocks differ in magnitude by about e**12, one all-zero block."""
+  rng = np.random.default_rng(seed)
+  magnitude = np.exp(3 * rng.standard_normal((blocks, 1)))
+  g = rng.standard_normal((blocks, block_size)) * magnitude
+  g[blocks // 2] = 0.0
+  return g.astype(np.float32)
 
-  Two compress steps (the second with the first's error) and a dequantize_mean of both
-  payloads, on data whose blocks differ in magnitude by about e**12; cached per configuration.
+
+@functools.cache
+def implementation_report(implementation: str, backend: str, bits: int = 4,
+                          error_bits: int = 8, beta: float = 0.8, block_size: int = 2048,
+                          tile_blocks: int | None = None, num_warps: int | None = None,
+                          interpret: bool | None = None) -> str:
+  """"pass" if `implementation` runs here and its steps and receive-side mean agree with the
+  float64 reference (`reference.check_step`, `reference.mean_off`) within float32 rounding,
+  else "fail: ..." (what was off) or "error: ..." (why it did not run).
+
+  Three compress steps (each from the previous one's error, the third after a reset) and a
+  dequantize_mean of their payloads; cached per configuration.
   Example:
-    >>> pallas_report("gpu", tile_blocks=8, num_warps=8)   # "match"
+    >>> implementation_report("jnp", "cpu")
+    'pass'
   """
   def run(fn, *args):  # compiled and called directly: safe while an outer jit is tracing
     return jax.jit(fn).lower(*args).compile()(*args)
@@ -371,89 +373,88 @@ def pallas_report(backend: str, bits: int = 4, error_bits: int = 8, beta: float 
   if backend != jax.default_backend():
     return f"error: asked about {backend!r}, but this process runs on {jax.default_backend()!r}"
   blocks = 4 * (tile_blocks or TILE_BLOCKS.get(backend, 1))
-  size = blocks * block_size
-  rng = np.random.default_rng(0)
-  magnitude = np.exp(3 * rng.standard_normal((blocks, 1)))
-  g = (rng.standard_normal((2, blocks, block_size)) * magnitude).astype(np.float32)
-  results = {}
-  for name in ("jnp", "pallas"):
-    options = dict(bits=bits, implementation=name, tile_blocks=tile_blocks,
-                   num_warps=num_warps, interpret=interpret)
-    try:
-      step = functools.partial(compress_step, error_bits=error_bits, beta=beta,
+  options = dict(bits=bits, implementation=implementation, tile_blocks=tile_blocks,
+                 num_warps=num_warps, interpret=interpret)
+  problems = []
+  try:
+    error, error_scale = np.zeros(blocks * block_size, np.int8), np.zeros(blocks, np.float32)
+    payloads = []
+    for k in range(3):
+      g = _check_data(blocks, block_size, k)
+      step = functools.partial(compress_step, error_bits=error_bits, beta=beta, reset=k == 2,
                                block_size=block_size, decompressed=True, **options)
-      error, error_scale = np.zeros(size, np.int8), np.zeros(blocks, np.float32)
-      outs = []
-      for k in range(2):
-        out = Compressed(*[np.asarray(x) for x in run(step, g[k].reshape(-1), error,
-                                                      error_scale)])
-        error, error_scale = out.error, out.error_scale
-        outs.append(out)
-      received = np.stack([o.packed.reshape(-1) for o in outs])
-      scales = np.stack([o.scales for o in outs])
-      mean = run(functools.partial(dequantize_mean, **options), received, scales)
-    except Exception as e:  # noqa: BLE001 - any lowering or runtime failure means "use jnp"
-      return f"error: {name}: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
-    results[name] = {f"{field}{k}": value for k, o in enumerate(outs)
-                     for field, value in o._asdict().items()}
-    results[name]["mean"] = np.asarray(mean)
-  differing = [f"{key} {np.sum(a != results['pallas'][key])}/{a.size}"
-               for key, a in results["jnp"].items()
-               if not np.array_equal(a, results["pallas"][key])]
-  return "match" if not differing else "mismatch: " + ", ".join(differing)
+      out = Compressed(*[np.asarray(x) for x in run(step, g.reshape(-1), error, error_scale)])
+      codes = np.asarray(quant.unpack(out.packed, bits))
+      found = reference.check_step(
+          g, error.reshape(blocks, -1), error_scale, codes, out.scales,
+          out.error.reshape(blocks, -1), out.error_scale, out.decompressed.reshape(blocks, -1),
+          bits=bits, error_bits=error_bits, beta=beta, reset=k == 2)
+      problems += [f"step {k}: {found}"] if not found.passed else []
+      problems += [f"step {k}: finite=False on finite data"] if not out.finite else []
+      payloads.append((out.packed.reshape(-1), out.scales, codes))
+      error, error_scale = out.error, out.error_scale
+    received, scales, codes = [np.stack(x) for x in zip(*payloads)]
+    mean = run(functools.partial(dequantize_mean, **options), received, scales)
+  except Exception as e:  # noqa: BLE001 - any lowering or runtime failure means "do not use it"
+    return f"error: {implementation}: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
+  off = reference.mean_off(np.asarray(mean), codes, scales)
+  problems += [f"dequantize_mean: {off} elements off"] if off else []
+  return "pass" if not problems else "fail: " + "; ".join(problems)
 
 
-def pallas_matches_jnp(backend: str, bits: int = 4, error_bits: int = 8, beta: float = 0.8,
-                       block_size: int = 2048, tile_blocks: int | None = None,
-                       num_warps: int | None = None, interpret: bool | None = None) -> bool:
-  """Whether `pallas_report` is "match": where `implementation="auto"` may pick Pallas.
+def pallas_report(backend: str, bits: int = 4, error_bits: int = 8, beta: float = 0.8,
+                  block_size: int = 2048, tile_blocks: int | None = None,
+                  num_warps: int | None = None, interpret: bool | None = None) -> str:
+  """`implementation_report` of the Pallas kernels: "pass" where `auto` may pick them.
 
   Example:
-    >>> pallas_matches_jnp("gpu")
+    >>> pallas_report("gpu", tile_blocks=8, num_warps=8)   # "pass" on a GPU
+    "error: asked about 'gpu', but this process runs on 'cpu'"
   """
-  return pallas_report(backend, bits, error_bits, beta, block_size, tile_blocks, num_warps,
-                       interpret) == "match"
+  return implementation_report("pallas", backend, bits, error_bits, beta, block_size,
+                               tile_blocks, num_warps, interpret)
 
 
-def _resolve(implementation: str, blocks: int, bits: int, error_bits: int, beta,
-             block_size: int, tile_blocks, num_warps, interpret,
-             peers: int = 1) -> tuple[str, str]:
-  """("jnp" | "pallas", backend) for a call on `blocks` scale blocks (of `peers` shards)."""
+def _resolve(implementation: str, bits: int, error_bits: int, beta, block_size: int,
+             tile_blocks, num_warps, interpret, peers: int = 1,
+             fixed=(None, None)) -> tuple[str, str]:
+  """("jnp" | "pallas", backend) for a call with these settings (`peers` shards)."""
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
   backend = jax.default_backend()
   if implementation == "jnp":
     return "jnp", backend
-  why_not = _pallas_unsupported(bits, block_size, beta, backend, peers)
+  why_not = _pallas_unsupported(bits, block_size, beta, backend, peers, fixed)
   if implementation == "pallas":
     if why_not:
       raise ValueError(f"implementation='pallas' cannot run here: {why_not}")
     return "pallas", backend
-  tile = tile_blocks or TILE_BLOCKS.get(backend, 1)
-  if why_not or backend not in ("gpu", "tpu") or interpret or blocks % tile:
-    return "jnp", backend  # the probe only vouches for whole tiles
-  ok = pallas_matches_jnp(backend, bits, error_bits, float(beta), block_size, tile_blocks,
-                          num_warps)
-  return ("pallas" if ok else "jnp"), backend
+  if why_not or backend not in ("gpu", "tpu") or interpret:
+    return "jnp", backend  # on CPU Pallas only interprets: slower than XLA
+  # One check per (bits, error_bits, beta): it runs with absmax scales and blocks of 2048 (a
+  # fixed scale only replaces a computed value by a constant; the tests cover other blocks).
+  passed = pallas_report(backend, bits, error_bits, float(beta), 2048, tile_blocks,
+                         num_warps) == "pass"
+  return ("pallas" if passed else "jnp"), backend
 
 
-def chosen_implementation(blocks: int = 1 << 19, bits: int = 4, error_bits: int = 8,
-                          beta: float = 0.8, block_size: int = 2048,
-                          tile_blocks: int | None = None, num_warps: int | None = None) -> str:
+def chosen_implementation(bits: int = 4, error_bits: int = 8, beta: float = 0.8,
+                          block_size: int = 2048, tile_blocks: int | None = None,
+                          num_warps: int | None = None) -> str:
   """What `implementation="auto"` runs on the current backend: "pallas" or "jnp".
 
   Example:
-    >>> chosen_implementation()   # "jnp" on CPU
+    >>> chosen_implementation()   # on CPU
+    'jnp'
   """
-  return _resolve("auto", blocks, bits, error_bits, beta, block_size, tile_blocks, num_warps,
-                  None)[0]
+  return _resolve("auto", bits, error_bits, beta, block_size, tile_blocks, num_warps, None)[0]
 
 
 # --- Public API ----------------------------------------------------------------------------
 
 
-def _check_compress(size: int, error, error_scale, bits: int, error_bits: int,
-                    block_size: int) -> int:
+def _check_compress(size: int, error, error_scale, fixed_error_scale, bits: int,
+                    error_bits: int, block_size: int) -> int:
   quant.check_bits(bits)
   quant.check_bits(error_bits, "error_bits")
   if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or (
@@ -466,46 +467,60 @@ def _check_compress(size: int, error, error_scale, bits: int, error_bits: int,
   blocks = size // block_size
   if error.shape != (size,) or error.dtype != jnp.int8:
     raise ValueError(f"error must be int8 [{size}], got {error.dtype} {tuple(error.shape)}")
-  if error_scale.shape != (blocks,):
+  if (error_scale is None) == (fixed_error_scale is None):
+    raise ValueError("pass the stored error's block scales (error_scale) or a fixed_error_scale, "
+                     "exactly one of them")
+  if error_scale is not None and error_scale.shape != (blocks,):
     raise ValueError(f"error_scale must be float32 [{blocks}] (one per block), got "
                      f"{tuple(error_scale.shape)}")
   return blocks
 
 
-def compress_step(g: jax.Array, error: jax.Array, error_scale: jax.Array, *, bits: int = 4,
-                  error_bits: int = 8, beta: float = 0.8, reset: jax.Array | bool = False,
-                  block_size: int = 2048, decompressed: bool = False,
-                  implementation: str = "auto", tile_blocks: int | None = None,
-                  num_warps: int | None = None, interpret: bool | None = None) -> Compressed:
-  """LoCo's step (absmax block scales) on a flat vector whose size is a multiple of block_size.
+def compress_step(g: jax.Array, error: jax.Array, error_scale: jax.Array | None, *,
+                  bits: int = 4, error_bits: int = 8, beta: float = 0.8,
+                  reset: jax.Array | bool = False, block_size: int = 2048,
+                  decompressed: bool = False, fixed_scale: float | None = None,
+                  fixed_error_scale: float | None = None, implementation: str = "auto",
+                  tile_blocks: int | None = None, num_warps: int | None = None,
+                  interpret: bool | None = None) -> Compressed:
+  """LoCo's step on a flat vector whose size is a multiple of block_size.
 
-  The numbers of `loco(bits, error_bits=..., beta=..., block_size=...)` for one aligned leaf:
-  e = error / error_scale (0 if `reset`), h = g + e, q = compress(h; s = qmax / max|h|) per
-  block, d = q / s, error' = compress(beta e + (1 - beta)(h - d); per-block absmax,
-  error_bits), every operation rounded once (see `_sealed`). The Pallas kernel reads g (4 B)
-  and the error (1 B) once and writes the payload (bits / 8 B) and the new error (1 B): 6.5 B
-  an element at 4 bits (plus 4 B with `decompressed`).
+  What `loco()` runs on each bucket: e = error / error_scale (0 if `reset`), h = g + e,
+  q = compress(h; s) with s = qmax / max|h| per block (or `fixed_scale`), d = q / s,
+  error' = compress(beta e + (1 - beta)(h - d); per-block absmax (or `fixed_error_scale`),
+  error_bits). The Pallas kernel reads g (4 B) and the error (1 B) once and writes the payload
+  (bits / 8 B) and the new error (1 B): 6.5 B an element at 4 bits (plus 4 B with
+  `decompressed`).
   `implementation`: "pallas" is one kernel, one program instance per `tile_blocks` scale blocks
   (Triton on GPU, Mosaic on TPU, the interpreter on CPU); "jnp" is the XLA formulation; "auto"
-  takes Pallas on GPU/TPU where `pallas_matches_jnp` holds, else jnp. A non-finite g gives
-  finite=False and unspecified other outputs (loco then keeps its previous state).
+  takes Pallas on GPU/TPU where `pallas_report` passes (the float64 reference check), else jnp.
+  Every implementation agrees with `reference.check_step` within float32 rounding and is
+  deterministic run to run. A non-finite g gives finite=False and unspecified other outputs
+  (loco then keeps its previous state); a finite g gives finite outputs: e, g + e, q / s and
+  the residual saturate at the float32 maximum, and scales stay at least `quant.TINY`.
+  With a fixed scale, `scales` (or `error_scale`) holds that value for every block.
   Example:
+    >>> g = jnp.linspace(-1.0, 1.0, 2 * 2048)
     >>> out = compress_step(g, jnp.zeros(g.size, jnp.int8), jnp.zeros(g.size // 2048))
-    >>> out.packed.shape, out.error.dtype    # ((g.size // 2048, 1024), int8)
+    >>> out.packed.shape, out.error.dtype
+    ((2, 1024), dtype('int8'))
   """
-  blocks = _check_compress(g.size, error, error_scale, bits, error_bits, block_size)
-  name, backend = _resolve(implementation, blocks, bits, error_bits, beta, block_size,
-                           tile_blocks, num_warps, interpret)
+  blocks = _check_compress(g.size, error, error_scale, fixed_error_scale, bits, error_bits,
+                           block_size)
+  name, backend = _resolve(implementation, bits, error_bits, beta, block_size, tile_blocks,
+                           num_warps, interpret, fixed=(fixed_scale, fixed_error_scale))
   g_BxL = g.reshape(blocks, block_size).astype(jnp.float32)
   error_BxL = error.reshape(blocks, block_size)
+  stored = (jnp.full((blocks,), fixed_error_scale, jnp.float32) if error_scale is None
+            else error_scale.astype(jnp.float32))
   # A reset zeroes the error: a zero scale decompresses to exactly 0, as loco's where() does.
-  error_scale = jnp.where(reset, 0.0, error_scale.astype(jnp.float32))
+  stored = jnp.where(reset, 0.0, stored)
+  args = (g_BxL, error_BxL, stored, bits, error_bits, beta, fixed_scale, fixed_error_scale,
+          decompressed, backend)
   if name == "jnp":
-    out = _compress_jnp(g_BxL, error_BxL, error_scale, bits, error_bits, beta, decompressed,
-                        backend)
+    out = _compress_jnp(*args)
   else:
-    out = _compress_pallas(g_BxL, error_BxL, error_scale, bits, error_bits, beta, decompressed,
-                           backend, interpret, tile_blocks, num_warps)
+    out = _compress_pallas(*args, interpret, tile_blocks, num_warps)
   return Compressed(*out)
 
 
@@ -516,12 +531,18 @@ def dequantize_mean(received: jax.Array, scales: jax.Array, *, bits: int = 4,
 
   `received` is uint8 [N, blocks * block_len * bits / 8] (row j from peer j, quant.pack's
   layout within each block) and `scales` float32 [N, blocks]; returns float32
-  [blocks * block_len]: the sum over j of q_j / s_j in peer order, times 1/N (what
-  comm.all_to_all_mean computes; XLA divides by N as a product with 1/N), in one pass over the
-  N shards.
+  [blocks * block_len]: the mean over j of q_j / s_j (0 where s_j is 0) in one pass over the N
+  shards, within float32 rounding of the float64 mean (`reference.mean_off`). It never
+  overflows: each q_j / s_j saturates at the float32 maximum and is added times 2**-k
+  (2**k >= N, exact), the sum then times 2**k / N (`quant.mean_factors`).
   Example:
+    >>> g = jnp.linspace(-1.0, 1.0, 2048)
+    >>> a = compress_step(g, jnp.zeros(g.size, jnp.int8), jnp.zeros(1))
+    >>> b = compress_step(-g, jnp.zeros(g.size, jnp.int8), jnp.zeros(1))
     >>> mean = dequantize_mean(jnp.stack([a.packed.reshape(-1), b.packed.reshape(-1)]),
     ...                        jnp.stack([a.scales, b.scales]))
+    >>> float(jnp.abs(mean).max())   # the two peers' gradients cancel
+    0.0
   """
   quant.check_bits(bits)
   if received.ndim != 2 or scales.ndim != 2 or received.shape[0] != scales.shape[0]:
@@ -533,8 +554,8 @@ def dequantize_mean(received: jax.Array, scales: jax.Array, *, bits: int = 4,
     raise ValueError(f"{nbytes} bytes a shard do not split into {blocks} blocks of whole "
                      f"{bits}-bit packing units")
   block_len = nbytes // blocks * 8 // bits
-  name, backend = _resolve(implementation, blocks, bits, 8, 0.8, block_len, tile_blocks,
-                           num_warps, interpret, peers=shards)
+  name, backend = _resolve(implementation, bits, 8, 0.8, block_len, tile_blocks, num_warps,
+                           interpret, peers=shards)
   packed_NxBxP = received.reshape(shards, blocks, nbytes // blocks)
   if name == "jnp":
     return _mean_jnp(packed_NxBxP, scales.astype(jnp.float32), bits)

@@ -8,7 +8,7 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
 
-from loco_jax import comm, kernels, quant
+from loco_jax import buckets, comm, kernels, quant, trees
 from loco_jax.comm import AxisName, LeafLayout, Payload
 
 GATHER_MODES = ("bf16", "quantized")
@@ -18,7 +18,8 @@ class LocoState(NamedTuple):
   """LoCo's state. Every field but `count` differs per device: declare it with `state_specs`."""
   count: jax.Array            # int32 steps taken; drives the periodic reset
   error: optax.Updates        # int8 [size] per leaf: this device's averaged compression error
-  error_scale: Any            # float32 [blocks] per leaf (None with a fixed `error_scale`)
+  error_scale: Any            # float32 [rows * blocks] per leaf, rows = devices on the axis
+                              # (buckets.plan's blocks; None with a fixed `error_scale`)
   gather_error: Any           # int8 [row_len] per leaf: the shard's error (gather="quantized")
   gather_scale: Any           # float32 [blocks] per leaf (gather="quantized" with block scales)
 
@@ -47,9 +48,12 @@ def _check_args(bits, scale, error_bits, error_scale, beta, reset_interval, bloc
   if _concrete(beta) and not 0.0 <= float(beta) <= 1.0:
     raise ValueError(f"beta must be in [0, 1] (0 is classic error feedback), got {beta}")
   for name, value in (("scale", scale), ("error_scale", error_scale)):
-    if value is not None and _concrete(value) and not (np.isfinite(value) and float(value) > 0):
-      raise ValueError(f"{name} must be None (absmax block scales) or a finite float > 0, "
-                       f"got {value}")
+    # Both s and 1 / s must be normal float32 numbers: CPUs and GPUs flush subnormals, and then
+    # q / s is NaN (0 / 0) or inf for s below 2**-126, and silently 0 for s above 2**126.
+    if value is not None and _concrete(value) and not (
+        np.isfinite(value) and quant.TINY <= float(value) <= 1 / quant.TINY):
+      raise ValueError(f"{name} must be None (absmax block scales) or a float in "
+                       f"[2**-126, 2**126] (s and 1 / s normal float32), got {value}")
   if gather not in GATHER_MODES:
     raise ValueError(f"gather must be one of {GATHER_MODES}, got {gather!r}")
 
@@ -89,25 +93,29 @@ def _fusable(size: int, send: LeafLayout, scale, error_scale, beta, block_size: 
 
 
 def _probe_kernel(bits: int, scale, error_bits: int, error_scale, beta, block_size: int) -> None:
-  """Runs `kernels.compress_step`'s Pallas check for these settings now, outside any trace.
+  """Runs the Pallas kernels' check (`kernels.pallas_report`) for these settings now, outside
+  any trace.
 
-  The first fused step on GPU/TPU compares the Pallas kernel with jnp by compiling and running
-  small kernels. Inside a jax.shard_map trace that comparison fails, and the step would fall
-  back to jnp; building the transformation (outside jit) caches the answer instead.
+  On GPU/TPU `auto` checks the Pallas kernels against the float64 reference by compiling and
+  running small ones. Inside a jax.shard_map trace that check cannot run, and the step would
+  take jnp; building the transformation (outside jit) caches the answer instead, for the step
+  and for the receive-side mean (`dequantize_mean` is checked with error_bits 8, beta 0.8).
   """
-  if scale is None and error_scale is None and _concrete(beta):
+  if _concrete(beta):
     kernels.chosen_implementation(bits=bits, error_bits=error_bits, beta=float(beta),
                                   block_size=block_size)
+    kernels.chosen_implementation(bits=bits)
 
 
 def _feedback_step(g: jax.Array, error: jax.Array, error_scales, send: LeafLayout, reset,
                    bits: int, scale, error_bits: int, error_scale, beta, block_size: int,
                    decompressed: bool = False, fuse: bool = True) -> _Feedback:
-  """One LoCo step on a flat float32 vector: compensate, quantize, average the error, store it.
+  """One LoCo step on one flat float32 leaf in `comm.leaf_layout` rows (per leaf: what
+  `hierarchical.two_hop` runs; `loco` itself runs `kernels.compress_step` per bucket).
 
   Aligned leaves go through the fused kernel (one pass over memory: a Pallas kernel on GPU and
-  TPU); the others, and every leaf with `fuse=False` (the reference the kernels are checked
-  against), through the same math in jnp here, with ragged blocks padded.
+  TPU); the others, and every leaf with `fuse=False`, through the same math in jnp here, with
+  ragged blocks padded.
   """
   if fuse and _fusable(g.size, send, scale, error_scale, beta, block_size):
     out = kernels.compress_step(g, error, error_scales, bits=bits, error_bits=error_bits,
@@ -120,10 +128,11 @@ def _feedback_step(g: jax.Array, error: jax.Array, error_scales, send: LeafLayou
   stored = Payload(comm.to_rows(error, own),
                    None if error_scales is None else error_scales[None])
   e = jnp.where(reset, 0.0, _dequantize_blocks(stored, own, error_scale))
-  h = g + e
+  h = quant.saturate(g + e)  # finite g near the float32 maximum: saturate, never inf
   sent = _quantize_blocks(h, send, bits, scale)
   d = _dequantize_blocks(sent, send, scale)
-  residual = _quantize_blocks(beta * e + (1.0 - beta) * (h - d), own, error_bits, error_scale)
+  residual = _quantize_blocks(quant.saturate(beta * e + (1.0 - beta) * (h - d)), own, error_bits,
+                              error_scale)
   new_scales = None if residual.scales is None else residual.scales[0]
   return _Feedback(sent, comm.from_rows(residual.codes, own), new_scales,
                    jnp.all(jnp.isfinite(g)), d if decompressed else None)
@@ -132,8 +141,9 @@ def _feedback_step(g: jax.Array, error: jax.Array, error_scales, send: LeafLayou
 def _reference_step(g: jax.Array, error: jax.Array, error_scale: jax.Array, reset,
                     bits: int = 4, error_bits: int = 8, beta: float = 0.8,
                     block_size: int = 2048) -> _Feedback:
-  """Local-mode LoCo step in plain jnp, never fused: what kernels.compress_step is checked
-  against (`loco()` itself takes the kernel for such leaves)."""
+  """Local-mode LoCo step on one leaf in plain jnp, never fused: an unfused formulation that
+  tests compare kernels.compress_step with near the float32 maximum (the criterion for every
+  implementation is `reference.check_step`, in float64)."""
   return _feedback_step(g, error, error_scale, comm.leaf_layout(g.size, 1, block_size), reset,
                         bits, None, error_bits, None, beta, block_size, decompressed=True,
                         fuse=False)
@@ -158,6 +168,11 @@ def _nonfinite_flag(leaves: list, chosen: list[int]) -> tuple[jax.Array, jax.Arr
   for i in chosen:
     finite &= jnp.all(jnp.isfinite(leaves[i]))
   return finite, _flag(finite)
+
+
+def _merge(new: list | None, old: list) -> list:
+  """Per leaf: the new value, or the old one where there is none (leaves that are not sent)."""
+  return old if new is None else [o if n is None else n for n, o in zip(new, old)]
 
 
 def _keep_if(finite, new, old):
@@ -185,19 +200,29 @@ def loco(
   fixed scale (2**17..2**19 for LLMs); `error_scale` likewise for the stored error (paper: 4s
   to 6s). beta = 0 is classic error feedback.
 
+  The leaves are laid out once, from their shapes, in a few buckets (`buckets.plan`: each
+  leaf's per-device rows cut into whole blocks of `block_size`, a remainder into smaller blocks
+  of a power-of-two multiple of 8, so no block straddles two leaves); the step runs one
+  `kernels.compress_step` per bucket, whatever the leaf count. The state stays per leaf (int8
+  error like the params; block scales per leaf in bucket order).
+
   With `axis_name=None` the output is d (local compression: one device, or a simulation). With
   a mesh axis, inside `jax.shard_map`, the output is the mean over the axis of every device's d:
-  one all-to-all carries every leaf's packed codes and scales, each device averages its shard in
-  float32, and an all-gather returns the averaged shards in bfloat16 (`gather="bf16"`, 4 + 16
-  bits a parameter) or re-quantized to `bits` with a second error kept for the shard
-  (`gather="quantized"`, about 4 + 4). `scatter=True` skips the gather and returns this device's
-  shard of each leaf, flat [comm.shard_len(size, axis size)], for sharded optimizers. With an
-  axis, create the state inside `shard_map` and declare it with `state_specs`: the errors differ
-  per device.
+  one all-to-all carries every bucket's packed codes and scales, each device averages its shard
+  of each bucket with `kernels.dequantize_mean`, and an all-gather returns the averaged shards
+  in bfloat16 (`gather="bf16"`, 4 + 16 bits a parameter) or re-quantized to `bits` with a second
+  error kept for the shard (`gather="quantized"`, about 4 + 4). `scatter=True` skips the gather
+  and returns this device's shard of each leaf, flat [comm.shard_len(size, axis size)]: the
+  per-leaf shard layout of sharded optimizers (`parallel`'s zero2), taken out of the buckets
+  (row j of every bucket is device j's shard of every leaf). With an axis, create the state
+  inside `shard_map` and declare it with `state_specs`: the errors differ per device.
 
   Non-float and zero-size leaves pass through. A non-finite gradient (on any device of the
   axis) makes every output NaN and leaves the state unchanged, so the error is never poisoned;
-  wrap the chain in `optax.apply_if_finite` to skip such steps.
+  wrap the chain in `optax.apply_if_finite` to skip such steps. Finite gradients give finite
+  outputs and state: where the arithmetic would overflow (g + e, q / s or the mean near the
+  float32 maximum, the bfloat16 gather, the cast back to a float16 or bfloat16 leaf) the values
+  saturate at the largest finite one, and the average is a sum of x / 2**k (`quant.mean_factors`).
 
   Example:
     >>> opt = optax.chain(loco_jax.loco(bits=4), optax.adamw(3e-4))
@@ -208,100 +233,128 @@ def loco(
   _probe_kernel(bits, scale, error_bits, error_scale, beta, block_size)
   if gather == "quantized" and axis_name is None:
     raise ValueError("gather='quantized' needs an axis_name: there is no gather without one")
+  if scatter and axis_name is None:
+    raise ValueError("scatter=True needs an axis_name: without one there is nothing to scatter "
+                     "(the output is the whole local gradient)")
+  if scatter and gather != "bf16":
+    raise ValueError(f"gather={gather!r} has no effect with scatter=True (no gather follows the "
+                     f"scatter): pass one of them, not both")
   quantized_gather = gather == "quantized" and not scatter
-  wire_block = block_size if scale is None else None
 
   def rows_on_axis() -> int:
     return 1 if axis_name is None else comm.axis_size(axis_name)
 
-  def error_buffers(size: int):
-    blocks = comm.leaf_layout(size, 1, block_size).blocks if size else 0
-    return jnp.zeros((size,), jnp.int8), jnp.zeros((blocks,), jnp.float32)
+  def plan_of(leaves: list, rows: int) -> buckets.Plan:
+    return buckets.plan(tuple(x.size if _compressible(x) else 0 for x in leaves), rows,
+                        block_size)
 
   def init_fn(params):
     leaves, treedef = jax.tree.flatten(params)
-    sizes = [x.size if _compressible(x) else 0 for x in leaves]
-    rows = rows_on_axis() if quantized_gather else 1
-    own = [error_buffers(n) for n in sizes]
-    shard = [error_buffers(comm.leaf_layout(n, rows, wire_block).row_len if n else 0)
-             for n in sizes]
-    unflatten = lambda buffers, j: treedef.unflatten([b[j] for b in buffers])
+    p = plan_of(leaves, rows_on_axis())
+    empty = lambda dtype: jnp.zeros((0,), dtype)
+    tree = lambda make: treedef.unflatten([empty(jnp.int8) if leaf is None else make(leaf)
+                                           for leaf in p.leaves])
+    scales = lambda make: treedef.unflatten([empty(jnp.float32) if leaf is None else make(leaf)
+                                             for leaf in p.leaves])
+    fixed_error = error_scale is not None
     return LocoState(
         count=jnp.zeros([], jnp.int32),
-        error=unflatten(own, 0),
-        error_scale=unflatten(own, 1) if error_scale is None else None,
-        gather_error=unflatten(shard, 0) if quantized_gather else None,
-        gather_scale=unflatten(shard, 1) if quantized_gather and error_scale is None else None)
+        error=tree(lambda leaf: jnp.zeros((leaf.size,), jnp.int8)),
+        error_scale=None if fixed_error else scales(
+            lambda leaf: jnp.zeros((p.rows * leaf.blocks,), jnp.float32)),
+        gather_error=tree(lambda leaf: jnp.zeros((leaf.row_len,), jnp.int8))
+        if quantized_gather else None,
+        gather_scale=scales(lambda leaf: jnp.zeros((leaf.blocks,), jnp.float32))
+        if quantized_gather and not fixed_error else None)
+
+  def compress(p: buckets.Plan, firsts: list, grads: list, errors: list, error_scales: list,
+               reset, local: bool) -> tuple[list, list, list, list, list, jax.Array]:
+    """LoCo's step on every bucket: (packed, scales, new errors and error scales per leaf,
+    decompressed buckets (local mode), all finite)."""
+    g_b, e_b = buckets.to_buckets(grads, p), buckets.to_buckets(errors, p)
+    es_b = (buckets.scales_to_buckets(error_scales, p) if error_scale is None
+            else [None] * len(g_b))
+    packed, scales, new_e, new_es, decompressed, finite = [], [], [], [], [], jnp.bool_(True)
+    for g, e, es, n in zip(g_b, e_b, es_b, p.block_lens):
+      rows, blocks = g.shape[:2]
+      out = kernels.compress_step(
+          g.reshape(-1), e.reshape(-1), None if es is None else es.reshape(-1), bits=bits,
+          error_bits=error_bits, beta=beta, reset=reset, block_size=n, decompressed=local,
+          fixed_scale=scale, fixed_error_scale=error_scale)
+      packed.append(out.packed.reshape(rows, blocks, -1))
+      scales.append(out.scales.reshape(rows, blocks))
+      new_e.append(out.error.reshape(rows, blocks, n))
+      new_es.append(out.error_scale.reshape(rows, blocks))
+      decompressed.append(None if out.decompressed is None else
+                          out.decompressed.reshape(rows, blocks, n))
+      finite &= out.finite
+    return (packed, None if scale is not None else scales,
+            buckets.from_buckets(new_e, p, firsts),
+            None if error_scale is not None else buckets.scales_from_buckets(new_es, p, firsts),
+            decompressed, finite)
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
+    trees.check_state_matches("loco", updates, state, jax.eval_shape(init_fn, updates))
     leaves, treedef = jax.tree.flatten(updates)
+    k = state.count
+    p = plan_of(leaves, rows_on_axis())
+    if not any(p.leaves):  # nothing to compress or send
+      return updates, state._replace(count=optax.safe_increment(k))
     flat_state = lambda tree: ([None] * len(leaves) if tree is None
                                else treedef.flatten_up_to(tree))
     errors, error_scales = flat_state(state.error), flat_state(state.error_scale)
-    rows = rows_on_axis()
-    k = state.count
+    grads = [None if leaf is None else g.reshape(-1).astype(jnp.float32)
+             for g, leaf in zip(leaves, p.leaves)]
     reset = _is_due(k, reset_interval)
-    step = lambda g, err, err_scales, send, local=False: _feedback_step(
-        g, err, err_scales, send, reset, bits, scale, error_bits, error_scale, beta, block_size,
-        decompressed=local)
-
-    chosen = [i for i, g in enumerate(leaves) if _compressible(g)]
-    if not chosen:  # nothing to compress or send
-      return updates, state._replace(count=optax.safe_increment(k))
-
-    sent, layouts, local_d = [], [], []
-    finite = jnp.bool_(True)
-    new_errors, new_error_scales = list(errors), list(error_scales)
-    for i in chosen:
-      g = leaves[i].reshape(-1).astype(jnp.float32)
-      layout = comm.leaf_layout(g.size, rows, wire_block)
-      fb = step(g, errors[i], error_scales[i], layout, axis_name is None)
-      new_errors[i], new_error_scales[i] = fb.error, fb.error_scale
-      finite &= fb.finite
-      sent.append(fb.sent)
-      layouts.append(layout)
-      local_d.append(fb.decompressed)
+    firsts = buckets.starts(p, k)
+    packed, scales, new_errors, new_error_scales, local_d, finite = compress(
+        p, firsts, grads, errors, error_scales, reset, axis_name is None)
     flag = _flag(finite)
 
     new_gather = (state.gather_error, state.gather_scale)
     if axis_name is None:
-      averaged = [d + flag for d in local_d]
+      averaged = [None if d is None else d + flag
+                  for d in buckets.from_buckets(local_d, p, firsts)]
     else:
-      shards, flags = comm.all_to_all_mean(sent, bits, scale, flag, axis_name)
+      means, flags = buckets.all_to_all_mean(packed, scales, scale, bits, flag, axis_name)
       if scatter:
         # No gather follows to bring the flags back replicated: one 4-byte all-reduce does.
         flags = jax.lax.psum(flag, axis_name)
-        averaged = [s.reshape(-1)[: lay.row_len] + flags for s, lay in zip(shards, layouts)]
+        averaged = [None if s is None else s + flags
+                    for s in buckets.shards(means, p, firsts)]
       elif gather == "bf16":
-        gathered, flags = comm.gather_bf16(shards, layouts, flags, axis_name)
-        averaged = [v + flags for v in gathered]
+        gathered, flags = buckets.gather_bf16(means, p, flags, axis_name)
+        averaged = [None if v is None else v + flags
+                    for v in buckets.from_buckets(gathered, p, firsts)]
       else:
+        # The averaged shard is re-quantized with its own error: the buckets of one row.
+        shard_plan = p._replace(rows=1, leaves=tuple(
+            None if leaf is None else leaf._replace(size=leaf.row_len) for leaf in p.leaves))
         gather_errors, gather_scales = flat_state(state.gather_error), flat_state(
             state.gather_scale)
-        shard_sent = []
-        new_gather_errors, new_gather_scales = list(gather_errors), list(gather_scales)
-        for i, s, lay in zip(chosen, shards, layouts):
-          send = LeafLayout(lay.row_len, 1, lay.row_len, lay.blocks, lay.block_len)
-          fb = step(s.reshape(-1)[: lay.row_len], gather_errors[i], gather_scales[i], send)
-          new_gather_errors[i], new_gather_scales[i] = fb.error, fb.error_scale
-          shard_sent.append(fb.sent)
-        gathered, flags = comm.gather_packed(shard_sent, layouts, bits, scale, flags, axis_name)
-        averaged = [v + flags for v in gathered]
-        new_gather_errors, new_gather_scales = _keep_if(
-            jnp.isfinite(flags), (new_gather_errors, new_gather_scales),
-            (gather_errors, gather_scales))
-        new_gather = (treedef.unflatten(new_gather_errors),
-                      None if state.gather_scale is None else treedef.unflatten(
-                          new_gather_scales))
+        shard_packed, shard_scales, new_gather_errors, new_gather_scales, _, _ = compress(
+            shard_plan, firsts, buckets.shards(means, p, firsts), gather_errors, gather_scales,
+            reset, False)
+        gathered, flags = buckets.gather_packed(
+            [x[0] for x in shard_packed],
+            None if shard_scales is None else [s[0] for s in shard_scales], scale, bits, p,
+            flags, axis_name)
+        averaged = [None if v is None else v + flags
+                    for v in buckets.from_buckets(gathered, p, firsts)]
+        kept = _keep_if(jnp.isfinite(flags), (_merge(new_gather_errors, gather_errors),
+                                              _merge(new_gather_scales, gather_scales)),
+                        (gather_errors, gather_scales))
+        new_gather = (treedef.unflatten(kept[0]),
+                      None if state.gather_scale is None else treedef.unflatten(kept[1]))
       finite = jnp.isfinite(flags)  # every device of the axis keeps or skips the step together
 
-    out = list(leaves)
-    for i, value in zip(chosen, averaged):
-      shape = value.shape if scatter and axis_name is not None else leaves[i].shape
-      out[i] = value.reshape(shape).astype(leaves[i].dtype)
+    out = [g if v is None else quant.saturating_cast(
+        v.reshape(v.shape if scatter and axis_name is not None else g.shape), g.dtype)
+           for g, v in zip(leaves, averaged)]
     new_errors, new_error_scales = _keep_if(
-        finite, (new_errors, new_error_scales), (errors, error_scales))
+        finite, (_merge(new_errors, errors), _merge(new_error_scales, error_scales)),
+        (errors, error_scales))
     new_state = LocoState(
         count=jnp.where(finite, optax.safe_increment(k), k),
         error=treedef.unflatten(new_errors),
@@ -320,7 +373,10 @@ def state_specs(state: Any, axis_name: AxisName) -> Any:
   device, so they are split over the axis (their global arrays stack every device's copy);
   every other leaf (step counters, the state of adamw after the average) is replicated.
   Example:
-    >>> specs = state_specs(jax.eval_shape(init_inside_shard_map, params), "data")
+    >>> state = loco().init(params)   # with an axis_name: created inside jax.shard_map
+    >>> specs = state_specs(state, "data")
+    >>> specs.error["w"] == P("data"), specs.count == P()   # per device; replicated
+    (True, True)
   """
   def spec(node):
     if hasattr(node, "PER_DEVICE") and hasattr(node, "_fields"):

@@ -36,8 +36,17 @@ def test_quick_run_writes_every_part_atomically(tmp_path, monkeypatch, capsys):
                "loco_bandwidth_fraction_of_copy", "hlo_fusions/compress_step_jnp",
                "wire_bits_per_param/loco_bf16_gather",
                "wire_bits_per_param/loco_quantized_gather",
-               "cost_model_speedup/ring/devices=8/gbps=25"):
+               "cost_model_speedup/ring/devices=8/gbps=25", "loco_over_adamw_tree",
+               "loco_over_adamw_tree/min", "loco_over_adamw_tree/max",
+               "compile_s/loco_update_tree", "compile_s/adamw_tree", "compile_over_adamw_tree",
+               "compile_s/loco_mesh_step_tree", "compile_s/pmean_mesh_step_tree",
+               "wire_bits_per_param_tree/loco_bf16_gather"):
     assert name in by_name, name
+  spread = [by_name[f"loco_over_adamw_tree/{end}"]["value"] for end in ("min", "max")]
+  assert 0 < spread[0] <= spread[1]
+  # The quick tree (d_model 64, 2 layers): its own parameter count, wire bits still ~4 + 16.
+  assert by_name["loco_over_adamw_tree"]["n_params"] == 2 * 49_984 + 256 * 64 + 128 * 64 + 128
+  assert by_name["wire_bits_per_param_tree/loco_bf16_gather"]["value"] < 20 * 7 / 8 * 1.03
   # The wire bits come from the HLO: 4-bit all-to-all plus bf16 all-gather, 7/8 of each sent.
   assert 17.4 < by_name["wire_bits_per_param/loco_bf16_gather"]["value"] < 17.6
   assert by_name["wire_bits_per_param/loco_quantized_gather"]["value"] < 7.1

@@ -1,4 +1,5 @@
-"""kernels: the fused compress step and dequantize_mean against loco, numpy, and each other."""
+"""kernels: every implementation of the compress step and the receive-side mean against the
+float64 reference (loco_jax.reference), determinism, and how `auto` chooses."""
 
 import functools
 
@@ -6,212 +7,212 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from loco_jax import kernels, quant
-from loco_jax.loco import _reference_step
+from loco_jax import kernels, quant, reference
 
 BLOCK = 2048
 F32 = np.float32
+IMPLEMENTATIONS = ["jnp", "pallas"] if kernels.pl is not None else ["jnp"]
 
 
-def _numpy_step(g, error, error_scale, reset, bits, error_bits, beta):
-  """DESIGN.md's step in numpy float32, every operation rounded once; q / s as q * (1 / s)."""
-  blocks = error_scale.size
-  g, error = g.reshape(blocks, -1), error.reshape(blocks, -1)
-  error_scale = error_scale * F32(0) if reset else error_scale
-
-  def reciprocal(s):
-    return (F32(1) / np.where(s > 0, s, F32(1))).astype(F32)
-
-  def absmax_scale(x, p):
-    absmax = np.abs(x).max(axis=1)
-    usable = (absmax > quant.VANISHING) & np.isfinite(absmax)
-    qmax = F32(max(2 ** (p - 1) - 1, 1))
-    return np.where(usable, qmax / np.where(usable, absmax, F32(1)), F32(0)).astype(F32)
-
-  def compress(x, s, p):
-    return np.clip(np.round(x * s[:, None]), -(2 ** (p - 1)), 2 ** (p - 1) - 1).astype(F32)
-
-  def decompress(q, s):
-    return np.where((s > 0)[:, None], q * reciprocal(s)[:, None], F32(0)).astype(F32)
-
-  e = decompress(error.astype(F32), error_scale)
-  h = (g + e).astype(F32)
-  scale = absmax_scale(h, bits)
-  q = compress(h, scale, bits)
-  d = decompress(q, scale)
-  residual = (F32(beta) * e + F32(1.0 - beta) * (h - d).astype(F32)).astype(F32)
-  new_scale = absmax_scale(residual, error_bits)
-  new_error = compress(residual, new_scale, error_bits).astype(np.int8)
-  return q.astype(np.int8), scale, new_error.reshape(-1), new_scale, d.reshape(-1)
-
-
-def _gradients(seed: int, blocks: int, spread: float = 3.0) -> np.ndarray:
-  """Normal values whose blocks differ in magnitude by about e**(2 * spread)."""
+def _gradients(seed: int, blocks: int, block: int = BLOCK, spread: float = 3.0) -> np.ndarray:
+  """Normal values whose blocks differ in magnitude by about e**(2 * spread); one zero block."""
   rng = np.random.default_rng(seed)
   magnitude = np.exp(spread * rng.standard_normal((blocks, 1)))
-  return (rng.standard_normal((blocks, BLOCK)) * magnitude).astype(F32).reshape(-1)
-
-
-def _exact_product_gradients(seed: int, blocks: int, bits: int) -> np.ndarray:
-  """Blocks whose max |g| is qmax * 2**k: every q / s is then exact, and an FMA cannot change
-  any result of the step (the reset keeps the error at zero)."""
-  rng = np.random.default_rng(seed)
-  qmax = 2 ** (bits - 1) - 1
-  top = (qmax * 2.0 ** rng.integers(-12, 12, (blocks, 1))).astype(F32)
-  g = np.clip(rng.standard_normal((blocks, BLOCK)) * top / 3, -0.99 * top, 0.99 * top)
-  g[:, 0] = top[:, 0] * rng.choice([-1, 1], blocks)
+  g = rng.standard_normal((blocks, block)) * magnitude
+  g[blocks // 2] = 0.0
   return g.astype(F32).reshape(-1)
 
 
+@functools.cache
 def _jit_step(implementation: str, **options):
+  extra = dict(interpret=True) if implementation == "pallas" else {}
   return jax.jit(lambda g, e, s, reset: kernels.compress_step(
-      g, e, s, reset=reset, decompressed=True, implementation=implementation, **options))
+      g, e, s, reset=reset, decompressed=True, implementation=implementation, **extra,
+      **options))
 
 
-class _UnfusedLoco:
-  """loco's own (unfused) local step with its state: what the kernels are checked against,
-  since loco() itself runs the kernel for whole-block leaves."""
-
-  def __init__(self, blocks: int, bits: int = 4):
-    self.error = jnp.zeros(blocks * BLOCK, jnp.int8)
-    self.error_scale = jnp.zeros(blocks, F32)
-    self.step = jax.jit(functools.partial(_reference_step, bits=bits))
-
-  def update(self, g, reset):
-    out = self.step(g, self.error, self.error_scale, reset)
-    self.error, self.error_scale = out.error, out.error_scale
-    return out.decompressed
+def _check(out, g, error, error_scale, blocks, *, bits, error_bits, beta, reset, fixed_scale=None,
+           fixed_error_scale=None) -> reference.StepCheck:
+  codes = np.asarray(quant.unpack(out.packed, bits))
+  return reference.check_step(
+      g.reshape(blocks, -1), np.asarray(error).reshape(blocks, -1),
+      None if error_scale is None else np.asarray(error_scale), codes, np.asarray(out.scales),
+      np.asarray(out.error).reshape(blocks, -1), np.asarray(out.error_scale),
+      np.asarray(out.decompressed).reshape(blocks, -1), bits=bits, error_bits=error_bits,
+      beta=beta, reset=reset, fixed_scale=fixed_scale, fixed_error_scale=fixed_error_scale)
 
 
-@pytest.mark.parametrize("blocks,bits", [(1, 4), (40, 4), (6, 8)])
-def test_jnp_path_equals_loco_bit_for_bit(blocks, bits):
-  state = _UnfusedLoco(blocks, bits)
-  step = _jit_step("jnp", bits=bits)
-  for k in range(3):  # reset every step: the error is zero at each step
-    g = jnp.asarray(_exact_product_gradients(k, blocks, bits))
-    out = step(g, state.error, state.error_scale, jnp.bool_(k > 0))
-    want = state.update(g, jnp.bool_(k > 0))
-    np.testing.assert_array_equal(np.asarray(out.decompressed), np.asarray(want))
-    np.testing.assert_array_equal(np.asarray(out.error), np.asarray(state.error))
-    np.testing.assert_array_equal(np.asarray(out.error_scale), np.asarray(state.error_scale))
-    assert bool(out.finite)
-
-
-def test_jnp_path_tracks_loco_on_general_data():
-  """With a live error, loco's XLA program contracts some multiply-adds into FMAs and the
-  kernel does not (see kernels._sealed): at most a last-bit difference, rarely a code by one."""
-  blocks = 64
-  state = _UnfusedLoco(blocks)
-  step = _jit_step("jnp")
-  for k in range(4):
-    g = jnp.asarray(_gradients(k, blocks))
-    out = step(g, state.error, state.error_scale, jnp.bool_(k == 3))
-    want = state.update(g, jnp.bool_(k == 3))
-    np.testing.assert_array_equal(np.asarray(out.decompressed), np.asarray(want))
-    codes = np.asarray(out.error).astype(int) - np.asarray(state.error)
-    assert np.abs(codes).max() <= 1 and np.mean(codes != 0) < 1e-4
-    np.testing.assert_allclose(np.asarray(out.error_scale), np.asarray(state.error_scale),
-                               rtol=2e-6)
-
-
-@pytest.mark.parametrize("blocks,bits,error_bits,beta,cpu_tile", [
-    (64, 4, 8, 0.8, 16),    # 4 tiles of 16 blocks: the tiled CPU path
-    (12, 4, 8, 0.8, None), (16, 8, 8, 0.9, None), (16, 2, 6, 0.5, None), (8, 3, 8, 0.8, 4),
-    (4, 1, 8, 0.0, None)])
-def test_jnp_path_equals_numpy_reference_bit_for_bit(blocks, bits, error_bits, beta, cpu_tile,
-                                                      monkeypatch):
-  if cpu_tile:
-    monkeypatch.setattr(kernels, "CPU_TILE_BLOCKS", cpu_tile)
-  step = _jit_step("jnp", bits=bits, error_bits=error_bits, beta=beta)
-  error, error_scale = np.zeros(blocks * BLOCK, np.int8), np.zeros(blocks, F32)
-  for k in range(4):
-    g, reset = _gradients(k, blocks), k == 2
+def _run_steps(implementation, blocks, block, bits, error_bits, beta, steps=3, **fixed):
+  """Steps from each one's own error (a reset at step 2); asserts each against the reference."""
+  options = dict(bits=bits, error_bits=error_bits, beta=beta, block_size=block, **fixed)
+  step = _jit_step(implementation, **options)
+  error = np.zeros(blocks * block, np.int8)
+  error_scale = None if fixed.get("fixed_error_scale") else np.zeros(blocks, F32)
+  for k in range(steps):
+    g, reset = _gradients(k, blocks, block), k == 2
     out = step(g, error, error_scale, jnp.bool_(reset))
-    q, scale, error, error_scale, d = _numpy_step(g, error, error_scale, reset, bits,
-                                                   error_bits, beta)
-    np.testing.assert_array_equal(np.asarray(out.packed), np.asarray(quant.pack(q, bits)))
-    np.testing.assert_array_equal(np.asarray(out.scales), scale)
-    np.testing.assert_array_equal(np.asarray(out.error), error)
-    np.testing.assert_array_equal(np.asarray(out.error_scale), error_scale)
-    np.testing.assert_array_equal(np.asarray(out.decompressed), d)
+    found = _check(out, g, error, error_scale, blocks, bits=bits, error_bits=error_bits,
+                   beta=beta, reset=reset, **fixed)
+    assert found.passed, (implementation, k, found)
+    assert bool(out.finite)
+    error = np.asarray(out.error)
+    error_scale = None if error_scale is None else np.asarray(out.error_scale)
+  assert np.any(error != 0)
 
 
-@pytest.mark.parametrize("blocks,bits,error_bits,beta,tile_blocks", [
-    (20, 4, 8, 0.8, None), (8, 2, 8, 0.5, 4), (6, 8, 6, 0.9, 2)])
-def test_pallas_interpret_equals_jnp_bit_for_bit(blocks, bits, error_bits, beta, tile_blocks):
-  if kernels.pl is None:
-    pytest.skip("jax.experimental.pallas does not import on this jax")
-  options = dict(bits=bits, error_bits=error_bits, beta=beta)
-  pallas = _jit_step("pallas", interpret=True, tile_blocks=tile_blocks, **options)
-  reference = _jit_step("jnp", **options)
-  error, error_scale = jnp.zeros(blocks * BLOCK, jnp.int8), jnp.zeros(blocks, jnp.float32)
-  for k in range(3):
-    g, reset = jnp.asarray(_gradients(k, blocks)), jnp.bool_(k == 2)
-    got, want = pallas(g, error, error_scale, reset), reference(g, error, error_scale, reset)
-    for a, b in zip(got, want):
-      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    error, error_scale = want.error, want.error_scale
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("blocks,block,bits,error_bits,beta", [
+    (12, BLOCK, 4, 8, 0.8), (16, BLOCK, 2, 6, 0.5), (6, 256, 8, 8, 0.9), (8, 32, 4, 8, 0.0),
+    (4, 8, 1, 8, 0.8)])
+def test_step_matches_the_float64_reference(implementation, blocks, block, bits, error_bits,
+                                            beta):
+  _run_steps(implementation, blocks, block, bits, error_bits, beta)
 
 
-def test_auto_is_jnp_on_cpu_and_the_probe_passes_in_interpret_mode():
-  assert kernels.chosen_implementation() == "jnp"
-  if kernels.pl is not None:
-    assert kernels.pallas_matches_jnp("cpu", interpret=True)
+def test_jnp_step_of_bit_plane_widths_matches_the_reference():
+  _run_steps("jnp", 8, 64, 3, 5, 0.7)
 
 
-def _peer_payloads(peers: int, blocks: int, bits: int = 4):
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_fixed_scales_match_the_reference(implementation):
+  _run_steps(implementation, 4, 256, 4, 8, 0.8, fixed_scale=4.0, fixed_error_scale=64.0)
+  _run_steps(implementation, 4, 256, 4, 8, 0.8, fixed_scale=4.0)
+
+
+def test_tiled_cpu_path_matches_the_reference(monkeypatch):
+  monkeypatch.setattr(kernels, "CPU_TILE_BLOCKS", 4)  # 16 blocks: 4 tiles of a lax.map
+  _jit_step.cache_clear()
+  try:
+    _run_steps("jnp", 16, BLOCK, 4, 8, 0.8)
+  finally:
+    _jit_step.cache_clear()
+
+
+@settings(max_examples=12, deadline=None)
+@given(seed=st.integers(0, 2**16), spread=st.floats(0.0, 6.0), beta=st.floats(0.0, 1.0),
+       bits=st.sampled_from([2, 4, 8]), log_block=st.integers(3, 9))
+def test_jnp_step_matches_the_reference_on_any_data(seed, spread, beta, bits, log_block):
+  block = 2 ** log_block
+  blocks = 4
+  rng = np.random.default_rng(seed)
+  g = (rng.standard_normal((blocks, block)) * np.exp(spread * rng.standard_normal((blocks, 1)))
+       ).astype(F32).reshape(-1)
+  error = rng.integers(-128, 128, blocks * block).astype(np.int8)
+  error_scale = np.exp(rng.standard_normal(blocks) * spread + 4).astype(F32)
+  out = jax.jit(lambda *a: kernels.compress_step(
+      *a, bits=bits, beta=beta, block_size=block, decompressed=True, implementation="jnp"))(
+          g, error, error_scale)
+  found = _check(out, g, error, error_scale, blocks, bits=bits, error_bits=8, beta=beta,
+                 reset=False)
+  assert found.passed, found
+
+
+def test_the_reference_check_catches_wrong_outputs():
+  blocks = 4
+  g = _gradients(0, blocks)
+  error, error_scale = np.zeros(g.size, np.int8), np.zeros(blocks, F32)
+  out = _jit_step("jnp")(g, error, error_scale, jnp.bool_(False))
+  check = functools.partial(_check, g=g, error=error, error_scale=error_scale, blocks=blocks,
+                            bits=4, error_bits=8, beta=0.8, reset=False)
+  assert check(out).passed
+  codes = np.asarray(quant.unpack(out.packed, 4))
+  # One code off by one away from a rounding boundary (an exact 0 has none nearby).
+  at = int(np.argmax((codes.reshape(-1) == 0) & (np.asarray(g) != 0)))
+  bumped = codes.reshape(-1).copy()
+  bumped[at] += 1
+  assert check(out._replace(packed=quant.pack(jnp.asarray(bumped.reshape(codes.shape)), 4))
+               ).codes_off == 1
+  assert check(out._replace(scales=out.scales * F32(1 + 1e-5))).scales_off == blocks - 1
+  errors = np.asarray(out.error).copy()
+  errors[:: 997] = np.clip(errors[:: 997].astype(int) + 2, -128, 127)
+  assert check(out._replace(error=jnp.asarray(errors))).error_codes_off > 0
+  assert check(out._replace(decompressed=out.decompressed * F32(1.001))).values_off > 0
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_each_implementation_is_deterministic_run_to_run(implementation):
+  step = _jit_step(implementation, bits=4, error_bits=8, beta=0.8, block_size=BLOCK)
+  g, error = _gradients(3, 8), np.asarray(np.arange(8 * BLOCK) % 255 - 127, np.int8)
+  error_scale = np.full(8, 50.0, F32)
+  first = step(g, error, error_scale, jnp.bool_(False))
+  again = step(g, error, error_scale, jnp.bool_(False))
+  for a, b in zip(first, again):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def _peer_payloads(peers: int, blocks: int, bits: int = 4, block: int = BLOCK):
   """Random packed shards (every code equally likely) and scales spread over e**(+-9)."""
   rng = np.random.default_rng(peers)
-  received = rng.integers(0, 256, (peers, blocks * BLOCK * bits // 8), dtype=np.uint8)
+  received = rng.integers(0, 256, (peers, blocks * block * bits // 8), dtype=np.uint8)
   scales = np.exp(3 * rng.standard_normal((peers, blocks))).astype(F32)
   scales[0, blocks // 2] = 0.0  # a vanishing block decompresses to 0
-  return received, scales
-
-
-def _numpy_dequantize(received, scales, bits):
-  peers, blocks = scales.shape
   codes = np.asarray(quant.unpack(jnp.asarray(received.reshape(peers, blocks, -1)), bits))
-  step = (F32(1) / np.where(scales > 0, scales, F32(1))).astype(F32)
-  return np.where((scales > 0)[..., None], codes.astype(F32) * step[..., None],
-                  F32(0)).astype(F32)
+  return received, scales, codes
 
 
-@pytest.mark.parametrize("implementation", ["jnp", "pallas"])
-def test_dequantize_mean_equals_numpy_mean(implementation):
-  if implementation == "pallas" and kernels.pl is None:
-    pytest.skip("jax.experimental.pallas does not import on this jax")
-  options = dict(implementation=implementation, interpret=True if implementation == "pallas"
-                 else None)
-  mean = jax.jit(lambda r, s: kernels.dequantize_mean(r, s, **options))
-  received, scales = _peer_payloads(8, 6)
-  want = _numpy_dequantize(received, scales, 4).mean(axis=0).reshape(-1)
-  np.testing.assert_array_equal(np.asarray(mean(received, scales)), want)  # 1/8 is exact
-  # Any peer count: the sum in peer order times 1/N (how XLA divides a mean by N).
-  received, scales = received[:3], scales[:3]
-  values = _numpy_dequantize(received, scales, 4)
-  total = values[0] + values[1] + values[2]
-  np.testing.assert_array_equal(np.asarray(mean(received, scales)),
-                                (total * (F32(1) / F32(3))).reshape(-1))
-  np.testing.assert_allclose(np.asarray(mean(received, scales)), values.mean(0).reshape(-1),
-                             rtol=2.5e-7)
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("peers,block", [(8, BLOCK), (3, BLOCK), (4, 32)])
+def test_dequantize_mean_matches_the_float64_mean(implementation, peers, block):
+  options = dict(implementation=implementation,
+                 interpret=True if implementation == "pallas" else None)
+  received, scales, codes = _peer_payloads(peers, 6, block=block)
+  got = jax.jit(lambda r, s: kernels.dequantize_mean(r, s, **options))(received, scales)
+  assert got.shape == (6 * block,)
+  assert reference.mean_off(np.asarray(got), codes, scales) == 0
+  # ... and the check can fail: a mean that is off by a part in 1e5 somewhere.
+  assert reference.mean_off(np.asarray(got) * F32(1 + 1e-5) + 1e-30, codes, scales) > 0
 
 
 def test_dequantize_mean_of_bit_plane_widths_and_many_peers():
-  received, scales = _peer_payloads(kernels.UNROLLED_PEERS + 2, 1, bits=3)
+  received, scales, codes = _peer_payloads(kernels.UNROLLED_PEERS + 2, 1, bits=3)
   got = jax.jit(lambda r, s: kernels.dequantize_mean(r, s, bits=3))(received, scales)
-  values = _numpy_dequantize(received, scales, 3)
-  np.testing.assert_allclose(np.asarray(got), values.mean(0).reshape(-1), rtol=1e-5,
-                             atol=1e-6 * np.abs(values).max())
+  assert reference.mean_off(np.asarray(got), codes, scales) == 0
 
 
-def test_non_finite_gradient_is_reported():
-  g = jnp.asarray(_gradients(0, 2)).at[5].set(jnp.nan)
-  for implementation in ("jnp", "pallas") if kernels.pl is not None else ("jnp",):
-    out = kernels.compress_step(g, jnp.zeros(g.size, jnp.int8), jnp.zeros(2),
-                                implementation=implementation, interpret=True
-                                if implementation == "pallas" else None)
-    assert not bool(out.finite)
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_gradient_is_reported(implementation, bad):
+  g = jnp.asarray(_gradients(0, 4)).at[5 * 997].set(bad)
+  out = _jit_step(implementation, bits=4, error_bits=8, beta=0.8, block_size=BLOCK)(
+      g, jnp.zeros(g.size, jnp.int8), jnp.zeros(4), jnp.bool_(False))
+  assert not bool(out.finite)
+
+
+def test_auto_is_jnp_on_cpu_and_the_pallas_check_passes_in_interpret_mode():
+  assert kernels.chosen_implementation() == "jnp"
+  if kernels.pl is not None:
+    assert kernels.implementation_report("pallas", "cpu", interpret=True) == "pass"
+  assert kernels.implementation_report("jnp", "cpu") == "pass"
+  assert kernels.pallas_report("gpu").startswith("error: asked about 'gpu'")
+
+
+def test_auto_takes_pallas_where_it_runs_and_passes_the_check(monkeypatch):
+  monkeypatch.setattr(kernels.jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(kernels, "pl", kernels.pl or object())
+  for report, want in (("pass", "pallas"), ("fail: step 0: ...", "jnp"),
+                       ("error: pallas: ...", "jnp")):
+    monkeypatch.setattr(kernels, "pallas_report", lambda *a, report=report, **k: report)
+    assert kernels.chosen_implementation() == want, report
+  monkeypatch.setattr(kernels, "pallas_report", lambda *a, **k: "pass")
+  assert kernels.chosen_implementation(bits=3) == "jnp"  # bit planes: jnp only
+  assert kernels.chosen_implementation(block_size=kernels.GPU_MIN_BLOCK // 2) == "jnp"
+
+
+def test_a_kernel_that_rounds_wrongly_fails_the_check(monkeypatch):
+  # What keeps `auto` off a broken kernel: the same check, on an implementation that rounds
+  # half away from zero... and off by one step at every .4.
+  monkeypatch.setattr(kernels, "_quantize", lambda x, s, bits: jnp.clip(
+      jnp.floor(s * x + 0.6), *quant.int_range(bits)))
+  _jit_step.cache_clear()
+  kernels.implementation_report.cache_clear()
+  try:
+    assert kernels.implementation_report("jnp", "cpu").startswith("fail: step 0")
+  finally:
+    _jit_step.cache_clear()
+    kernels.implementation_report.cache_clear()
 
 
 def test_bad_arguments_name_what_was_expected():
@@ -223,6 +224,10 @@ def test_bad_arguments_name_what_was_expected():
     kernels.compress_step(g, error.astype(jnp.int32), error_scale)
   with pytest.raises(ValueError, match="error_scale must be"):
     kernels.compress_step(g, error, jnp.zeros(4))
+  with pytest.raises(ValueError, match="exactly one of them"):
+    kernels.compress_step(g, error, error_scale, fixed_error_scale=4.0)
+  with pytest.raises(ValueError, match="exactly one of them"):
+    kernels.compress_step(g, error, None)
   with pytest.raises(ValueError, match="implementation must be one of"):
     kernels.compress_step(g, error, error_scale, implementation="cuda")
   with pytest.raises(ValueError, match="bits"):
@@ -237,6 +242,8 @@ def test_pallas_calls_trace_under_shard_map_with_varying_outputs():
   # Under shard_map (check_vma) a pallas_call needs inputs of one kind and outputs that say how
   # they vary; loco's mesh step on GPU runs the kernel there. (The CPU interpreter itself cannot
   # run under shard_map, so this checks the traced program.)
+  if kernels.pl is None:
+    pytest.skip("jax.experimental.pallas does not import on this jax")
   mesh = jax.make_mesh((8,), ("data",))
   from jax.sharding import PartitionSpec as P
 
