@@ -22,9 +22,10 @@ import optax  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from loco_jax import checkpoint, loco, parallel  # noqa: E402
+from loco_jax import checkpoint, fsdp, loco, parallel  # noqa: E402
 
 IN, OUT, BATCH = 16, 4, 64
+LAYERS = 2  # mode="fsdp": residual tanh blocks between the regression's two layers
 
 
 def init_params(hidden: int) -> dict[str, np.ndarray]:
@@ -39,6 +40,26 @@ def init_params(hidden: int) -> dict[str, np.ndarray]:
 def loss_fn(params, batch_Bx20: jax.Array) -> jax.Array:
   h_BxH = jax.numpy.tanh(batch_Bx20[:, :IN] @ params["w1"] + params["b1"])
   return jax.numpy.mean((h_BxH @ params["w2"] + params["b2"] - batch_Bx20[:, IN:]) ** 2)
+
+
+def layered_model() -> fsdp.LayeredModel:
+  """mode="fsdp": the regression's first layer as embed, LAYERS residual blocks, its output
+  layer as head."""
+  tanh = jax.numpy.tanh
+  return fsdp.LayeredModel(
+      embed=lambda p, batch_Bx20: tanh(batch_Bx20[:, :IN] @ p["w1"] + p["b1"]),
+      block=lambda p, h_BxH: h_BxH + tanh(h_BxH @ p["w"] + p["b"]),
+      head=lambda p, h_BxH, batch_Bx20: jax.numpy.mean(
+          (h_BxH @ p["w2"] + p["b2"] - batch_Bx20[:, IN:]) ** 2))
+
+
+def layered_params(hidden: int) -> fsdp.Layered:
+  """`init_params` with LAYERS blocks of [hidden, hidden] (stacked) in between."""
+  params = init_params(hidden)
+  w = np.random.default_rng(1).standard_normal((LAYERS, hidden, hidden)) * 0.1
+  return fsdp.Layered({"w1": params["w1"], "b1": params["b1"]},
+                      {"w": w.astype(np.float32), "b": np.zeros((LAYERS, hidden), np.float32)},
+                      {"w2": params["w2"], "b2": params["b2"]})
 
 
 def batch(step: int, mesh: Mesh) -> jax.Array:
@@ -56,16 +77,18 @@ def build(mode: str, hidden: int, mesh: Mesh) -> tuple[parallel.TrainState, Call
   Example:
     >>> state, step, config = build("zero2", 64, parallel.data_mesh(8))
   """
-  params = init_params(hidden)
+  sharded = mode in ("zero2", "fsdp")
+  params = layered_params(hidden) if mode == "fsdp" else init_params(hidden)
   optimizer = optax.adam(1e-2)
-  compressor = loco(axis_name="data", scatter=mode == "zero2")
+  compressor = loco(axis_name="data", scatter=sharded)
   state, specs = parallel.init_train_state(params, optimizer, mesh, compressor=compressor,
                                            mode=mode)
-  step = parallel.make_train_step(loss_fn, optimizer, mesh, specs, params,
-                                  compressor=compressor, mode=mode)
-  config = {"model": "mlp-regression", "shape": [IN, hidden, OUT], "mode": mode,
+  step = parallel.make_train_step(layered_model() if mode == "fsdp" else loss_fn, optimizer,
+                                  mesh, specs, params, compressor=compressor, mode=mode)
+  config = {"model": "mlp-regression" + (f"-{LAYERS}-blocks" if mode == "fsdp" else ""),
+            "shape": [IN, hidden, OUT], "mode": mode,
             "devices": mesh.size, "optimizer": "adam(1e-2)",
-            "compressor": f"loco(axis_name='data', scatter={mode == 'zero2'})"}
+            "compressor": f"loco(axis_name='data', scatter={sharded})"}
   return state, step, config
 
 

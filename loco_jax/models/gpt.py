@@ -152,3 +152,55 @@ def apply_loss(graphdef: nnx.GraphDef, params: Params, batch_BxL1: jax.Array) ->
     >>> loss, grads = jax.value_and_grad(lambda p: apply_loss(graphdef, p, batch))(params)
   """
   return loss_fn(nnx.merge(graphdef, params), batch_BxL1)
+
+
+def layered_params(params: Params) -> "fsdp.Layered":
+  """`split_model`'s params as `fsdp.Layered`: embed (tok_emb, pos_emb), the blocks stacked on
+  a leading layer axis, head (ln_f, head); for `parallel` mode="fsdp" with `layered_model`.
+
+  Example:
+    >>> layered = layered_params(split_model(GPT())[1])
+    >>> layered.blocks["fc1"]["kernel"].shape   # [n_layers, d_model, d_ff]
+    (2, 128, 512)
+  """
+  from loco_jax import fsdp
+  blocks = [params["blocks"][i] for i in sorted(params["blocks"])]
+  return fsdp.Layered({"tok_emb": params["tok_emb"], "pos_emb": params["pos_emb"]},
+                      jax.tree.map(lambda *layers: jnp.stack(layers), *blocks),
+                      {"ln_f": params["ln_f"], "head": params["head"]})
+
+
+def layered_model(config: GPTConfig = GPTConfig()) -> "fsdp.LayeredModel":
+  """`loss_fn` of a `GPT(config)` as embed / block / head over `layered_params`' params.
+
+  Example:
+    >>> from loco_jax import fsdp
+    >>> graphdef, params = split_model(GPT())
+    >>> batch = jnp.zeros((8, 65), jnp.int32)
+    >>> loss = fsdp.layered_loss(layered_model())(layered_params(params), batch)
+    >>> bool(jnp.allclose(loss, apply_loss(graphdef, params, batch), rtol=1e-5))
+    True
+  """
+  from loco_jax import fsdp
+  _check_config(config)
+  abstract = nnx.eval_shape(lambda: GPT(config, nnx.Rngs(0)))
+  graphdef = lambda module: nnx.split(module)[0]
+  tok_emb, block, ln_f, head = (graphdef(m) for m in (abstract.tok_emb, abstract.blocks[0],
+                                                      abstract.ln_f, abstract.head))
+
+  def embed(p, batch_BxL1: jax.Array) -> jax.Array:
+    if batch_BxL1.ndim != 2 or not 2 <= batch_BxL1.shape[1] <= config.seq_len + 1:
+      raise ValueError(f"batch must be int tokens of shape [batch, length + 1] with length in "
+                       f"1..{config.seq_len}, got shape {batch_BxL1.shape}.")
+    tokens_BxL = batch_BxL1[:, :-1]
+    return nnx.merge(tok_emb, p["tok_emb"])(tokens_BxL) + p["pos_emb"][: tokens_BxL.shape[1]]
+
+  def run_block(p, x_BxLxD: jax.Array) -> jax.Array:
+    return nnx.merge(block, p)(x_BxLxD)
+
+  def loss(p, x_BxLxD: jax.Array, batch_BxL1: jax.Array) -> jax.Array:
+    logits_BxLxV = nnx.merge(head, p["head"])(nnx.merge(ln_f, p["ln_f"])(x_BxLxD))
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits_BxLxV.astype(jnp.float32), batch_BxL1[:, 1:]).mean()
+
+  return fsdp.LayeredModel(embed, run_block, loss)
