@@ -48,11 +48,14 @@ def test_results_json(tiny_run):
     assert 0 < r["step_time_s"] < 60
   none, loco4 = results
   assert none["gradient_bits_per_param"] == pytest.approx(32.0)
-  assert 4.0 <= loco4["gradient_bits_per_param"] <= 4.1
+  # 4 bits plus the block scales. The bucket layout (few block lengths, so few kernels to
+  # compile) pads this tiny model's small leaves a little more than per-leaf blocks did: 4.125
+  # bits against 4.058 (docs/PERFORMANCE.md); on the GPT-2-shaped tree the two are level.
+  assert 4.0 <= loco4["gradient_bits_per_param"] <= 4.13
   # Wire bits from the HLO: a float32 ring all-reduce sends 2 * 7/8 * 32 bits; LoCo 7/8 of its
   # 4-bit all-to-all plus 7/8 of a bfloat16 all-gather.
   assert none["wire_bits_per_param"] == pytest.approx(56.0, abs=0.05)
-  assert 7 / 8 * (4.0 + 16.0) <= loco4["wire_bits_per_param"] <= 7 / 8 * (4.1 + 16.5)
+  assert 7 / 8 * (4.0 + 16.0) <= loco4["wire_bits_per_param"] <= 7 / 8 * (4.13 + 16.5)
   assert "loco4" in table and "grad bits" in table
   assert (out / "loss_curves.csv").read_text().startswith("step,none,loco4\n")
   assert (out / "loss_curves.png").read_bytes()[:4] == b"\x89PNG"
