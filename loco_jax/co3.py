@@ -13,7 +13,7 @@ import numpy as np
 import optax
 from jax.experimental.buffer_callback import buffer_callback
 
-from loco_jax import fp, gennorm, huffman
+from loco_jax import fp, gennorm, huffman, quant
 from loco_jax.comm import AxisName
 from loco_jax.loco import _compressible, _flag, _nonfinite_flag
 
@@ -26,7 +26,6 @@ HEADER_BYTES = 200
 LANE_TABLE_BYTES_PER_SYMBOL = 2 / huffman._LANE_LETTERS
 MIN_BETA = 0.35           # below it p(beta) is not a fit any more
 SATURATION_QUANTILE = 0.99
-_F32_MAX = float(np.finfo(np.float32).max)
 
 
 class Co3State(NamedTuple):
@@ -263,8 +262,8 @@ def co3(
     if not chosen:
       return updates, state
     # Saturating: g + gamma * e may exceed float32 for finite g near its maximum.
-    compensated = [jnp.clip(leaves[i].reshape(-1).astype(jnp.float32) + gamma * errors[i],
-                            -_F32_MAX, _F32_MAX) for i in chosen]
+    compensated = [quant.saturate(leaves[i].reshape(-1).astype(jnp.float32) + gamma * errors[i])
+                   for i in chosen]
     finite, flag = _nonfinite_flag(leaves, chosen)
 
     sizes = tuple(a.size for a in compensated)
@@ -327,14 +326,13 @@ def co3(
         peer_symbols = _gather_raw(symbols, small_float, axis_name)
       values = _decode_leaves(peer_symbols, peer_scales, sizes, small_float)
       sent = [v[0] for v in _decode_leaves(symbols[None], new_scales[None], sizes, small_float)]
-      values = [(v / v.shape[0]).sum(axis=0) for v in values]  # divided first: no overflow
+      values = [quant.mean_over_peers(v) for v in values]  # never overflows
 
     flag_out = _flag(finite)
     out, new_errors, new_scale_leaves = list(leaves), list(errors), list(scales)
     for j, i in enumerate(chosen):
       g = leaves[i]
-      largest = float(jnp.finfo(g.dtype).max)  # saturate, never cast to inf (fp16: 65504)
-      out[i] = jnp.clip(values[j] + flag_out, -largest, largest).reshape(g.shape).astype(g.dtype)
+      out[i] = quant.saturating_cast((values[j] + flag_out).reshape(g.shape), g.dtype)
       new_errors[i] = jnp.where(finite, compensated[j] - sent[j], errors[i])
       new_scale_leaves[i] = jnp.where(finite, new_scales[j:j + 1], scales[i])
     return treedef.unflatten(out), Co3State(
