@@ -18,28 +18,13 @@ N = 8
 CONFIG = gpt.GPTConfig(vocab_size=64, seq_len=32, d_model=32, n_layers=12, n_heads=4, d_ff=64)
 
 
-def unstacked(params: fsdp.Layered) -> dict:
-  return {"embed": params.embed, "head": params.head,
-          "blocks": [jax.tree.map(lambda x: x[i], params.blocks)
-                     for i in range(fsdp.num_layers(params.blocks))]}
-
-
-def unstacked_loss(model: fsdp.LayeredModel):
-  def loss(params, batch):
-    x = model.embed(params["embed"], batch)
-    for layer in params["blocks"]:
-      x = model.block(layer, x)
-    return model.head(params["head"], x, batch)
-  return loss
-
-
 def measure(mode: str, compressor, **options) -> dict:
   mesh, optimizer = parallel.data_mesh(N), optax.adam(1e-3)
   model = gpt.layered_model(CONFIG)
   params = gpt.layered_params(gpt.split_model(gpt.GPT(CONFIG))[1])
   loss_fn = model
   if mode == "zero2":  # each layer its own leaves: the same shards and blocks as fsdp's
-    params, loss_fn = unstacked(params), unstacked_loss(model)
+    params, loss_fn = fsdp.unstacked(params, model)
   state, specs = parallel.init_train_state(params, optimizer, mesh, compressor=compressor,
                                            mode=mode)
   step = parallel.make_train_step(loss_fn, optimizer, mesh, specs, params, compressor=compressor,

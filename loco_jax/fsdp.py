@@ -105,6 +105,22 @@ def layered_loss(model: LayeredModel) -> Callable[[Layered, Any], jax.Array]:
   return loss
 
 
+
+def unstacked(params: Layered,
+              model: LayeredModel) -> tuple[dict, Callable[[dict, Any], jax.Array]]:
+  """The same model for ddp / zero2 with every layer its own leaves, so that each layer's
+  shard and LoCo blocks are laid out as fsdp lays them out: (params, loss(params, batch))."""
+  params = {"embed": params.embed, "head": params.head,
+            "blocks": [jax.tree.map(lambda x, i=i: x[i], params.blocks)
+                       for i in range(num_layers(params.blocks))]}
+
+  def loss(params: dict, batch):
+    x = model.embed(params["embed"], batch)
+    for layer in params["blocks"]:
+      x = model.block(layer, x)
+    return model.head(params["head"], x, batch)
+  return params, loss
+
 def _shapes(tree):
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), tree)
 

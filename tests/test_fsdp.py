@@ -37,30 +37,13 @@ def _batches(steps, config=SMALL, size=16):
                       jnp.int32)
 
 
-def _unstacked(params: fsdp.Layered) -> dict:
-  """The same params for zero2, with every layer its own leaves (so that each layer's shard
-  and LoCo blocks are laid out as fsdp lays them out)."""
-  layers = fsdp.num_layers(params.blocks)
-  return {"embed": params.embed, "head": params.head,
-          "blocks": [jax.tree.map(lambda x: x[i], params.blocks) for i in range(layers)]}
-
-
-def _unstacked_loss(model: fsdp.LayeredModel):
-  def loss(params, batch):
-    x = model.embed(params["embed"], batch)
-    for layer in params["blocks"]:
-      x = model.block(layer, x)
-    return model.head(params["head"], x, batch)
-  return loss
-
-
 def _setup(mode, compressor, config=SMALL, optimizer=None, **kwargs):
   mesh = parallel.data_mesh(N)
   optimizer = optimizer or optax.adam(1e-2)
   model = gpt.layered_model(config)
   params, loss_fn = _layered(config), model
   if mode == "zero2":
-    params, loss_fn = _unstacked(params), _unstacked_loss(model)
+    params, loss_fn = fsdp.unstacked(params, model)
   state, specs = parallel.init_train_state(params, optimizer, mesh, compressor=compressor,
                                            mode=mode)
   step = parallel.make_train_step(loss_fn, optimizer, mesh, specs, params, compressor=compressor,
