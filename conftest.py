@@ -13,7 +13,7 @@ import pytest  # noqa: E402
 # (the multi-process workers, `python -m loco_jax`) and the benchmark applications, whose
 # docstrings show command lines and the output of minutes-long runs rather than API examples.
 collect_ignore = ["tests/mp_worker.py", "tests/train_worker.py", "loco_jax/__main__.py",
-                  "loco_jax/bench.py", "loco_jax/codec_bench.py"]
+                  "loco_jax/apps/bench.py", "loco_jax/apps/codec_bench.py"]
 
 # Tests whose assertions rest on floating-point results of compiled XLA programs. scripts/test
 # runs them (`-m numerics`) a second time under a lower CPU vector ISA: XLA:CPU contracts

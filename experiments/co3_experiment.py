@@ -5,7 +5,7 @@
 #
 # Two tasks, three methods each, every method on the same data, initialisation and worker split:
 #   ts   the teacher-student Gaussian setting of the CO3 paper: x ~ N(0, I), labels the argmax of
-#        a random tanh teacher (loco_jax.models.teacher_student_data), a ReLU MLP student trained
+#        a random tanh teacher (loco_jax.apps.models.teacher_student_data), a ReLU MLP student trained
 #        with plain SGD at a constant learning rate, as in the paper;
 #   gpt  the demo's byte-level GPT (smaller) on the Python standard library sources, with the
 #        demo's optimizer (adamw with warm-up).
@@ -38,7 +38,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
-from loco_jax import files  # noqa: E402
+from loco_jax.train import files  # noqa: E402
 
 METHODS = ("sgd", "co3-fp4", "co3-fp8")
 TASKS = ("ts", "gpt")
@@ -112,7 +112,7 @@ def teacher_student_task(config: Config, seed: int) -> Task:
   import jax.numpy as jnp
   import optax
   from flax import nnx
-  from loco_jax.models import MLP, mlp, teacher_student_data
+  from loco_jax.apps.models import MLP, mlp, teacher_student_data
 
   n = config.n_train + config.n_eval
   x_NxI, y_N = teacher_student_data(jax.random.key(seed), n, config.in_dim, config.classes,
@@ -147,7 +147,7 @@ def teacher_student_task(config: Config, seed: int) -> Task:
 def gpt_task(config: Config, seed: int) -> Task:
   """The demo's GPT, data and optimizer (adamw with warm-up), at this experiment's size."""
   import jax
-  from loco_jax import demo
+  from loco_jax.apps import demo
   demo_config = demo.DemoConfig(
       steps=config.gpt_steps + 1, devices=config.workers,
       batch_per_device=config.gpt_batch_per_worker, seq_len=config.gpt_seq_len,
@@ -169,7 +169,8 @@ def gpt_task(config: Config, seed: int) -> Task:
 
 def make_compressor(method: str, config: Config):
   """The gradient average of a method over the workers: float32, or CO3 in fp4 / fp8."""
-  from loco_jax import baselines, co3
+  from loco_jax import co3
+  from loco_jax.transforms import baselines
   if method == "sgd":
     return baselines.uncompressed(AXIS)
   if method in ("co3-fp4", "co3-fp8"):
@@ -204,7 +205,7 @@ def _finite(x: Any) -> Any:
 
 def _fit_report(values: np.ndarray, samples: int) -> dict | None:
   """gennorm.validate of one array: beta, alpha, and W2 to Normal, Laplace, GenNorm (or None)."""
-  from loco_jax import gennorm
+  from loco_jax.codecs import gennorm
   report = gennorm.validate(values, max_samples=samples)
   return {k: _finite(v) for k, v in report[""].items()} if report else None
 
@@ -225,8 +226,8 @@ def record(task: Task, method: str, config: Config, state: Any, batch: Any) -> d
   """Fits of worker 0's next local gradient g per matrix, and for CO3 of a = g + gamma e, the
   values CO3 itself fits and codes (with its scale, and the entropies of a's symbols)."""
   import jax
-  from loco_jax import fp, gennorm, huffman
-  from loco_jax.co3 import FORMATS, SATURATION_QUANTILE, fitted_scale
+  from loco_jax.codecs import fp, gennorm, huffman
+  from loco_jax.transforms.co3 import FORMATS, SATURATION_QUANTILE, fitted_scale
   shard = jax.tree.map(lambda x: x[: len(x) // config.workers], batch)
   grads = matrices(task.grad_fn(state.params, shard))
   cs = state.compressor_state
@@ -264,8 +265,9 @@ def train(task: Task, method: str, config: Config, seed: int, log: Callable[[str
   """Trains `task` with `method` averaging the workers' gradients; returns the run's record."""
   import jax
   import jax.numpy as jnp
-  from loco_jax import comm, parallel
-  from loco_jax.models import num_params
+  from loco_jax import comm
+  from loco_jax.train import parallel
+  from loco_jax.apps.models import num_params
 
   mesh = parallel.data_mesh(config.workers, AXIS)
   compressor = make_compressor(method, config)
@@ -599,7 +601,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   except ValueError as e:
     print(f"co3_experiment: error: {e}", file=sys.stderr)
     return 2
-  from loco_jax import demo
+  from loco_jax.apps import demo
   try:
     demo.setup_devices(config.workers)  # jax_num_cpu_devices, before any device is used
   except ValueError as e:

@@ -28,8 +28,8 @@ def co3_point(fmt: str, gamma: float, config, corpus) -> dict:
   """Trains with co3(fmt, gamma) and records the coded rate along the way."""
   import importlib
   import jax
-  from loco_jax import demo
-  co3 = importlib.import_module("loco_jax.co3")
+  from loco_jax.apps import demo
+  co3 = importlib.import_module("loco_jax.transforms.co3")
   rates = []
 
   def observe(state, step):
@@ -44,7 +44,7 @@ def co3_point(fmt: str, gamma: float, config, corpus) -> dict:
 
 
 def reference_point(variant: str, config, corpus) -> dict:
-  from loco_jax import demo
+  from loco_jax.apps import demo
   result = demo.run_method(variant, common.make_variant(variant, config), config, corpus)
   return common.result_record(result, config, variant=variant,
                               rate=result.gradient_bits_per_param)
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
   out = Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
   common.setup(args.devices, args.platform, cache_dir=str(out / "xla-cache"))
-  from loco_jax import demo
+  from loco_jax.apps import demo
   base = demo.DemoConfig(steps=args.steps, d_model=args.d_model, d_ff=4 * args.d_model,
                          n_layers=args.layers, devices=args.devices)
   path = out / "runs.jsonl"

@@ -33,7 +33,7 @@ def setup(devices: int, platform: str = "cpu", cache_dir: str | None = None) -> 
   if platform != "gpu":  # JAX_PLATFORMS=gpu also asks for ROCm, which a CUDA jax refuses
     os.environ.setdefault("JAX_PLATFORMS", platform)
   import jax
-  from loco_jax import demo
+  from loco_jax.apps import demo
   if platform == "cpu":
     demo.setup_devices(devices, platform=None)
   elif jax.default_backend() != platform:
@@ -51,8 +51,8 @@ def setup(devices: int, platform: str = "cpu", cache_dir: str | None = None) -> 
 def fp32_error_loco(bits: int, beta: float, block_size: int = 2048, axis_name: str = "data"):
   """LoCo's update e' = beta e + (1 - beta)(h - d) with e kept in float32, on LoCo's wire (the
   `bits`-bit all-to-all of `baselines.int_quantized`); no periodic reset."""
-  from loco_jax import baselines
-  return baselines._feedback(baselines._block_codec(bits, block_size), axis_name,
+  from loco_jax.transforms import baseline_codecs, baselines
+  return baselines._feedback(baseline_codecs.block_codec(bits, block_size), axis_name,
                              "fp32_error_loco", beta=beta)
 
 
@@ -63,13 +63,15 @@ _LOCO = re.compile(r"loco(\d)((?:-b[\d.]+|-e\d|-efp32|-fixed|-q)*)$")
 
 def make_variant(name: str, config, axis_name: str = "data"):
   """The compressor for a variant name (see VARIANT_HELP); ValueError for an unknown one."""
-  from loco_jax import baselines, demo, loco
+  from loco_jax import loco
+  from loco_jax.apps import demo
+  from loco_jax.transforms import baselines
   b = config.block_size
   if name in demo.METHODS:
     return demo.make_compressor(name, config, axis_name)
   if name == "co3-fp8":
     import importlib
-    return importlib.import_module("loco_jax.co3").co3(fmt="fp8", axis_name=axis_name)
+    return importlib.import_module("loco_jax.transforms.co3").co3(fmt="fp8", axis_name=axis_name)
   if m := re.fullmatch(r"noef(\d)", name):
     return baselines.int_quantized(int(m[1]), b, axis_name)
   if m := re.fullmatch(r"ef(\d)", name):
@@ -107,7 +109,7 @@ def append_jsonl(path: Path, record: dict) -> None:
 
 def write_text_atomic(path: Path, text: str) -> None:
   # Imported here: importing loco_jax imports jax, which must wait for `setup`.
-  from loco_jax import files
+  from loco_jax.train import files
   files.write_atomic(path, text)
 
 
@@ -155,5 +157,5 @@ def result_record(result, config, **extra: Any) -> dict:
 
 def co3_available() -> bool:
   """True once loco_jax.co3 imports (the CO3 rows and curves are skipped until then)."""
-  from loco_jax import demo
+  from loco_jax.apps import demo
   return demo.co3_status() is None

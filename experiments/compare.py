@@ -4,7 +4,7 @@
   python experiments/compare.py --d-model 256 --layers 4 --steps 2000 --seeds 0,1,2
   python experiments/compare.py --platform gpu --devices 1        # one GPU: no peers, but the
                                                                   # same compression per device
-Each variant trains the demo's byte-level GPT (loco_jax.demo.run_method) with the same seed and
+Each variant trains the demo's byte-level GPT (loco_jax.apps.demo.run_method) with the same seed and
 data order; results append to <out>/runs.jsonl as they finish (a rerun skips what is there), and
 <out>/compare.md and <out>/loss_curves.png are rewritten at the end. Variants: see --help.
 """
@@ -26,7 +26,9 @@ DEFAULT = ("none,bf16,noef4,ef4,ef21-4,sign,loco4,loco4-q,loco4-fixed,zero2-fp32
 
 
 def _run(variant: str, config, corpus):
-  from loco_jax import demo, loco, parallel
+  from loco_jax import loco
+  from loco_jax.apps import demo
+  from loco_jax.train import parallel
   if variant == "zero2-fp32":
     return demo.run_method(variant, parallel.reduce_scatter("data"), config, corpus,
                            mode="zero2")
@@ -103,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
   out = Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
   common.setup(args.devices, args.platform, cache_dir=str(out / "xla-cache"))
-  from loco_jax import demo
+  from loco_jax.apps import demo
   config = demo.DemoConfig(steps=args.steps, devices=args.devices, batch_per_device=args.batch,
                            seq_len=args.seq_len, d_model=args.d_model, n_layers=args.layers,
                            n_heads=args.heads, d_ff=4 * args.d_model, lr=args.lr,

@@ -15,8 +15,9 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from loco_jax import fsdp, loco, parallel
-from loco_jax.models import teacher_student_data
+from loco_jax import loco
+from loco_jax.train import fsdp, parallel
+from loco_jax.apps.models import teacher_student_data
 
 IN, OUT = 32, 8
 

@@ -11,8 +11,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from loco_jax import comm, fsdp, loco, parallel
-from loco_jax.models import gpt
+from loco_jax import comm, loco
+from loco_jax.train import fsdp, parallel
+from loco_jax.apps.models import gpt
 
 N = 8
 CONFIG = gpt.GPTConfig(vocab_size=64, seq_len=32, d_model=32, n_layers=12, n_heads=4, d_ff=64)

@@ -15,7 +15,9 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
 
-from loco_jax import bench, kernels, loco, parallel
+from loco_jax import kernels, loco
+from loco_jax.apps import bench
+from loco_jax.train import parallel
 
 
 def _step(opt, params, mesh):

@@ -15,8 +15,10 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-from loco_jax import baselines, comm, loco, parallel  # noqa: E402
-from loco_jax.hierarchical import two_hop  # noqa: E402
+from loco_jax import comm, loco  # noqa: E402
+from loco_jax.train import parallel
+from loco_jax.transforms import baselines
+from loco_jax.transforms.hierarchical import two_hop  # noqa: E402
 
 N = 8
 

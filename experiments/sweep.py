@@ -3,7 +3,7 @@
   python experiments/sweep.py --groups lr,bits,beta,error --seeds 0,1,2 --out runs/sweep
   python experiments/sweep.py --report --out runs/sweep      # the markdown tables only
 
-Every run is the demo's training (loco_jax.demo.run_method) with one change; results append to
+Every run is the demo's training (loco_jax.apps.demo.run_method) with one change; results append to
 <out>/runs.jsonl as they finish (a rerun skips what is there) and <out>/sweep.md holds, per
 group, each variant's final train and eval loss relative to `none` at the same seed and
 learning rate (mean ± std over seeds, in %), and how many seeds diverged.
@@ -51,7 +51,7 @@ def same_base(record: dict, base) -> bool:
 
 
 def run(groups: list[str], seeds: list[int], base, out: Path) -> None:
-  from loco_jax import demo
+  from loco_jax.apps import demo
   path = out / "runs.jsonl"
   records = common.read_jsonl(path)
   if any(not same_base(r, base) for r in records):
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     p.error(f"unknown group(s) {unknown}; accepted: {','.join(GROUPS)}")
   out = Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
-  from loco_jax import demo
+  from loco_jax.apps import demo
   changes = {k: v for k, v in (("steps", args.steps), ("d_model", args.d_model),
                                ("n_layers", args.layers), ("batch_per_device", args.batch),
                                ("lr", args.lr)) if v is not None}

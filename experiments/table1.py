@@ -2,7 +2,7 @@
 
   python experiments/table1.py [--d-model 128 --layers 2 --devices 8] [--out runs/table1.md]
 
-For each method the demo's train step (the GPT of loco_jax.demo, adamw) is built and lowered,
+For each method the demo's train step (the GPT of loco_jax.apps.demo, adamw) is built and lowered,
 not run: b_g is the gradient collective's buffer (codes and scales) and b_w the second
 collective's (the gathered averaged gradient in DDP, the gathered parameters in ZeRO-2), both
 in bits per parameter; "sent" is what each device sends per parameter and step over every
@@ -33,7 +33,8 @@ class Row(NamedTuple):
 
 def rows() -> list[Row]:
   import jax.numpy as jnp
-  from loco_jax import loco, parallel
+  from loco_jax import loco
+  from loco_jax.train import parallel
   v = common.make_variant
   bf16 = {"compute_dtype": jnp.bfloat16}
   out = [
@@ -62,8 +63,10 @@ def rows() -> list[Row]:
 
 def measure(row: Row, config) -> dict:
   import jax.numpy as jnp
-  from loco_jax import comm, demo, parallel
-  from loco_jax.models import num_params
+  from loco_jax import comm
+  from loco_jax.apps import demo
+  from loco_jax.train import parallel
+  from loco_jax.apps.models import num_params
 
   mesh = parallel.data_mesh(config.devices, "data")
   _, params, loss_fn = demo.make_model(config)
@@ -116,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--out", default="runs/table1.md")
   args = p.parse_args(argv)
   common.setup(args.devices, args.platform)
-  from loco_jax import demo
+  from loco_jax.apps import demo
   config = demo.DemoConfig(d_model=args.d_model, d_ff=4 * args.d_model, n_layers=args.layers,
                            devices=args.devices)
   records = []

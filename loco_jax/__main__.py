@@ -2,6 +2,6 @@
 
 import sys
 
-from loco_jax.cli import main
+from loco_jax.apps.cli import main
 
 sys.exit(main())

@@ -33,8 +33,10 @@ import numpy as np
 import optax
 
 import loco_jax
-from loco_jax import baselines, comm, parallel
-from loco_jax.models import mlp
+from loco_jax import comm
+from loco_jax.train import parallel
+from loco_jax.transforms import baselines
+from loco_jax.apps.models import mlp
 
 STEPS = 120
 print(jax.devices())"""),
@@ -168,8 +170,8 @@ STATISTICS = [
 CO3 (seed paper 003) models each layer's gradient as a generalized normal (GenNorm) with shape
 beta and scale alpha, picks an fp4 scale from the fit, and Huffman-codes the small-float symbols.
 This notebook takes real gradients of a small byte-level GPT on Python source text and checks
-each step: `loco_jax.gennorm` (fit, validate), `loco_jax.fp` (fp4/fp8 small floats),
-`loco_jax.huffman` (the lossless code)."""),
+each step: `loco_jax.codecs.gennorm` (fit, validate), `loco_jax.codecs.fp` (fp4/fp8 small floats),
+`loco_jax.codecs.huffman` (the lossless code)."""),
     ("code", """import jax
 jax.config.update("jax_platforms", "cpu")
 import math
@@ -180,8 +182,9 @@ import matplotlib.pyplot as plt
 import numpy as np
 import optax
 
-from loco_jax import data, fp, gennorm, huffman
-from loco_jax.models import GPT, GPTConfig, gpt
+from loco_jax.apps import data
+from loco_jax.codecs import fp, gennorm, huffman
+from loco_jax.apps.models import GPT, GPTConfig, gpt
 
 config = GPTConfig(d_model=64, n_layers=2, d_ff=256, seq_len=64)
 graphdef, params = gpt.split_model(GPT(config))

@@ -20,7 +20,8 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from loco_jax import loco, parallel  # noqa: E402
+from loco_jax import loco  # noqa: E402
+from loco_jax.train import parallel
 
 N = 8
 PARAMS = {"w": jnp.zeros((64, 96)), "b": jnp.zeros(96)}

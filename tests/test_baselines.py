@@ -9,7 +9,9 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from loco_jax import baselines, comm, loco, parallel
+from loco_jax import comm, loco
+from loco_jax.train import parallel
+from loco_jax.transforms import baselines
 
 N = 8
 BLOCK = 64

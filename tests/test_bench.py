@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from loco_jax import bench
+from loco_jax.apps import bench
 
 REQUIRED_KEYS = {"name", "value", "unit", "backend", "n_params"}
 
@@ -84,6 +84,6 @@ def test_bad_arguments_exit_2_with_a_message(argv, message, capsys):
 
 
 def test_cli_dispatches_bench(capsys):
-  from loco_jax import cli
+  from loco_jax.apps import cli
   assert cli.main(["bench", "--n-params", "0"]) == 2
   assert "--n-params" in capsys.readouterr().err

@@ -13,7 +13,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 
-from loco_jax import bench, buckets, comm, kernels, loco, parallel, reference
+from loco_jax import comm, kernels, loco
+from loco_jax.apps import bench
+from loco_jax.core import buckets
+from loco_jax.kernels import reference
+from loco_jax.train import parallel
 
 N = 8
 SIZES = st.lists(st.one_of(st.integers(0, 40), st.integers(0, 5000)), min_size=1, max_size=10)

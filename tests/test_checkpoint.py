@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import train_worker
-from loco_jax import checkpoint, parallel
+from loco_jax.train import checkpoint, parallel
 
 WORKER = Path(__file__).with_name("train_worker.py")
 TIMEOUT_S = 150
@@ -169,7 +169,7 @@ import jax
 jax.config.update("jax_num_cpu_devices", 8)
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
-from loco_jax import checkpoint, parallel
+from loco_jax.train import checkpoint, parallel
 sharding = NamedSharding(parallel.data_mesh(8), P("data"))
 n = int(sys.argv[2])
 zeros = jax.jit(lambda: {f"x{i}": jnp.zeros((n,)) for i in range(4)}, out_shardings=sharding)

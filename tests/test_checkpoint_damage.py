@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from loco_jax import checkpoint, files, parallel
+from loco_jax.train import checkpoint, files, parallel
 
 CONFIG = {"model": "tiny", "mode": "ddp"}
 STEP = 3

@@ -6,8 +6,10 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from loco_jax import comm, fp, gennorm, parallel
-from loco_jax.co3 import co3, default_capacity_bits
+from loco_jax import comm
+from loco_jax.codecs import fp, gennorm
+from loco_jax.train import parallel
+from loco_jax.transforms.co3 import co3, default_capacity_bits
 
 N = 8
 PARAMS = {"w": jnp.zeros((64, 128)), "b": jnp.zeros(96)}
@@ -143,8 +145,8 @@ def test_device_threads_decode_each_stream_once(monkeypatch):
   import importlib
   import threading
 
-  from loco_jax import huffman
-  co3_module = importlib.import_module("loco_jax.co3")
+  from loco_jax.codecs import huffman
+  co3_module = importlib.import_module("loco_jax.transforms.co3")
   rng = np.random.default_rng(3)
   streams = [huffman.encode(rng.integers(0, 16, 5000).astype(np.uint8)) for _ in range(8)]
   capacity = max(len(s) for s in streams)
@@ -174,8 +176,8 @@ def test_device_threads_decode_each_stream_once(monkeypatch):
 def test_a_host_does_not_decode_the_streams_it_coded(monkeypatch):
   import importlib
 
-  from loco_jax import huffman
-  co3_module = importlib.import_module("loco_jax.co3")
+  from loco_jax.codecs import huffman
+  co3_module = importlib.import_module("loco_jax.transforms.co3")
   symbols = np.random.default_rng(4).integers(0, 16, 6000).astype(np.uint8)
   buffer, length = co3_module._code(symbols, capacity=8000, pairs=True)
   decodes, decode = [], huffman.decode

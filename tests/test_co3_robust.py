@@ -10,10 +10,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 
-from loco_jax import fp, huffman, parallel
-from loco_jax.co3 import co3
+from loco_jax.codecs import fp, huffman
+from loco_jax.train import parallel
+from loco_jax.transforms.co3 import co3
 
-co3_module = importlib.import_module("loco_jax.co3")
+co3_module = importlib.import_module("loco_jax.transforms.co3")
 N = 8
 
 
@@ -101,9 +102,13 @@ def test_finite_in_finite_out_over_magnitudes(fmt, dtype_name, position, seed):
       want = np.asarray(grads[k]).astype(np.float64)
       assert np.all(np.isfinite(got)), (k, step)
       # fp4 with error feedback: ~0.2 relative error on normal data (fp8: ~0.06), never a
-      # zeroed or exploded output.
+      # zeroed (1.0) or exploded output. The scalar has no average over values: its output
+      # Q(g + e) is off by up to half a grid step of g + e plus the carried error e, at most
+      # half a step of the previous value (fp4: 1/5 + 1.3 x 0.29 ~ 0.58; fp8: 1/16 + 1.4 x
+      # 1/16 ~ 0.15, before bfloat16's rounding).
+      bound = {("w", "fp4"): 0.35, ("w", "fp8"): 0.12, ("s", "fp4"): 0.7, ("s", "fp8"): 0.25}
       relative = np.linalg.norm((got - want) / magnitude) / np.linalg.norm(want / magnitude)
-      assert relative < (0.35 if fmt == "fp4" else 0.12), (k, step, relative)
+      assert relative < bound[k, fmt], (k, step, relative)
     for leaf in jax.tree.leaves(state):
       assert np.all(np.isfinite(np.asarray(leaf, np.float64)))
     assert all(float(s[0]) > 0 for s in jax.tree.leaves(state.scale))

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from loco_jax import comm, loco, parallel
+from loco_jax import comm, loco
+from loco_jax.train import parallel
 
 N = 8
 PARAMS = {"w": jnp.zeros((256, 384)), "b": jnp.zeros(384), "odd": jnp.zeros((7, 13)),

@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 import loco_jax
-from loco_jax import baselines
+from loco_jax.transforms import baselines
 
 # name -> (factory, keyword arguments, static_args for inject_hyperparams)
 TRANSFORMATIONS = {

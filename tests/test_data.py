@@ -1,11 +1,11 @@
-"""Tests for loco_jax.data: byte corpora, LM batches and the CIFAR-10 binary reader."""
+"""Tests for loco_jax.apps.data: byte corpora, LM batches and the CIFAR-10 binary reader."""
 import itertools
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from loco_jax import data
+from loco_jax.apps import data
 
 
 def test_stdlib_corpus_is_deterministic_python_source():

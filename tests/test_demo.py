@@ -16,7 +16,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loco_jax import cli, demo, demo_output, files
+from loco_jax.apps import cli, demo, demo_output
+from loco_jax.train import files
 
 TINY = ["--steps", "4", "--d-model", "64", "--layers", "1", "--heads", "4", "--batch", "1",
         "--seq-len", "16", "--eval-batches", "2"]

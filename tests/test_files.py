@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loco_jax import files
+from loco_jax.train import files
 
 
 def _fill(folder: Path, contents: dict[str, bytes]) -> Path:

@@ -12,9 +12,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 
-from loco_jax import baselines, kernels, parallel
-from loco_jax.hierarchical import two_hop
-from loco_jax.loco import _reference_step, loco
+from loco_jax import kernels
+from loco_jax.train import parallel
+from loco_jax.transforms import baselines
+from loco_jax.transforms.hierarchical import two_hop
+from loco_jax.transforms.loco import _reference_step, loco
 
 N = 8
 BLOCK = 64

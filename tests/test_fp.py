@@ -1,4 +1,4 @@
-"""Tests for loco_jax.fp: small-float levels, rounding, symbols, numpy/jit agreement."""
+"""Tests for loco_jax.codecs.fp: small-float levels, rounding, symbols, numpy/jit agreement."""
 
 import jax
 import jax.numpy as jnp
@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loco_jax import fp
+from loco_jax.codecs import fp
 
 FORMATS = [fp.FP4, fp.FP8, fp.FloatFormat(3, 2), fp.FloatFormat(1, 3), fp.FloatFormat(4, 0)]
 

@@ -16,8 +16,9 @@ from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 
 import train_worker
-from loco_jax import checkpoint, fsdp, loco, parallel
-from loco_jax.models import gpt
+from loco_jax import loco
+from loco_jax.train import checkpoint, fsdp, parallel
+from loco_jax.apps.models import gpt
 
 N = 8
 SMALL = gpt.GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_layers=2, n_heads=2, d_ff=32)
@@ -259,7 +260,7 @@ def test_bad_inputs_raise():
     parallel.make_train_step(gpt.layered_model(SMALL), optimizer, mesh, specs, _layered(),
                              compressor=compressor, mode="fsdp", block_size=256)
   # A compressor with all-reduce semantics returns whole gradients, not this device's shard.
-  from loco_jax import baselines
+  from loco_jax.transforms import baselines
   mean = baselines.uncompressed(axis_name="data")
   state, specs = parallel.init_train_state(_layered(), optimizer, mesh, compressor=mean,
                                            mode="fsdp")

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from loco_jax import comm, parallel
-from loco_jax.hierarchical import two_hop
+from loco_jax import comm
+from loco_jax.train import parallel
+from loco_jax.transforms.hierarchical import two_hop
 
 NODES, LOCAL = 2, 4
 AXES = ("node", "local")

@@ -1,4 +1,4 @@
-"""Tests for loco_jax.huffman: roundtrips, code lengths, size, hostile input, threads."""
+"""Tests for loco_jax.codecs.huffman: roundtrips, code lengths, size, hostile input, threads."""
 
 import concurrent.futures
 import functools
@@ -11,7 +11,7 @@ import zlib
 import numpy as np
 import pytest
 
-from loco_jax import huffman
+from loco_jax.codecs import huffman, huffman_codes, huffman_lanes
 
 FP4_LEVELS = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0])
 STRATEGIES = ["lock_step", "walk", "doubling"]
@@ -101,8 +101,8 @@ def test_roundtrip_random(n, alphabet):
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_every_decode_strategy_roundtrips_gennorm(beta, strategy, monkeypatch):
   symbols = _gennorm_fp4(2048 * 40 + 2**15 + 3, beta, seed=int(beta * 10))
-  monkeypatch.setattr(huffman, "_decode_payload",
-                      functools.partial(huffman._decode_payload, strategy=strategy))
+  monkeypatch.setattr(huffman_lanes, "decode_payload",
+                      functools.partial(huffman_lanes.decode_payload, strategy=strategy))
   for encode in (huffman.encode, huffman.encode_pairs):
     np.testing.assert_array_equal(huffman.decode(encode(symbols)), symbols)
 
@@ -174,7 +174,7 @@ def test_code_lengths_are_optimal_under_the_limit_by_brute_force():
       weights = 4.0 ** rng.permutation(n) + rng.integers(0, 3, n)
     else:
       weights = rng.integers(1, 1000, n).astype(np.float64)
-    binding += max(huffman._huffman_depths(sorted(weights.tolist()))) > limit
+    binding += max(huffman_codes._huffman_depths(sorted(weights.tolist()))) > limit
     best = min(sum(w * l for w, l in zip(weights, combo))
                for combo in itertools.product(range(1, limit + 1), repeat=n)
                if sum(2.0 ** -l for l in combo) <= 1.0)

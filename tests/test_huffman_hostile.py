@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from loco_jax import huffman
+from loco_jax.codecs import huffman, huffman_lanes
 
 STRATEGIES = ["lock_step", "walk", "doubling"]
 
@@ -143,8 +143,8 @@ def test_peak_memory_is_linear_in_the_stream(case, strategy, monkeypatch):
   encode, make = MEMORY_CASES[case]
   symbols = make()
   data = encode(symbols)
-  monkeypatch.setattr(huffman, "_decode_payload",
-                      functools.partial(huffman._decode_payload, strategy=strategy))
+  monkeypatch.setattr(huffman_lanes, "decode_payload",
+                      functools.partial(huffman_lanes.decode_payload, strategy=strategy))
   tracemalloc.start()
   decoded = huffman.decode(data, max_symbols=symbols.size)
   _, peak = tracemalloc.get_traced_memory()

@@ -1,5 +1,5 @@
 """kernels: every implementation of the compress step and the receive-side mean against the
-float64 reference (loco_jax.reference), determinism, and how `auto` chooses."""
+float64 reference (loco_jax.kernels.reference), determinism, and how `auto` chooses."""
 
 import functools
 
@@ -10,11 +10,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loco_jax import kernels, quant, reference
+from loco_jax import kernels
+from loco_jax.core import quant
+from loco_jax.kernels import arithmetic, pallas, reference
+from loco_jax.kernels import step as kernel_step
 
 BLOCK = 2048
 F32 = np.float32
-IMPLEMENTATIONS = ["jnp", "pallas"] if kernels.pl is not None else ["jnp"]
+IMPLEMENTATIONS = ["jnp", "pallas"] if pallas.pl is not None else ["jnp"]
 
 
 def _gradients(seed: int, blocks: int, block: int = BLOCK, spread: float = 3.0) -> np.ndarray:
@@ -83,7 +86,7 @@ def test_fixed_scales_match_the_reference(implementation):
 
 
 def test_tiled_cpu_path_matches_the_reference(monkeypatch):
-  monkeypatch.setattr(kernels, "CPU_TILE_BLOCKS", 4)  # 16 blocks: 4 tiles of a lax.map
+  monkeypatch.setattr(arithmetic, "CPU_TILE_BLOCKS", 4)  # 16 blocks: 4 tiles of a lax.map
   _jit_step.cache_clear()
   try:
     _run_steps("jnp", 16, BLOCK, 4, 8, 0.8)
@@ -183,20 +186,20 @@ def test_non_finite_gradient_is_reported(implementation, bad):
 
 def test_auto_is_jnp_on_cpu_and_the_pallas_check_passes_in_interpret_mode():
   assert kernels.chosen_implementation() == "jnp"
-  if kernels.pl is not None:
+  if pallas.pl is not None:
     assert kernels.implementation_report("pallas", "cpu", interpret=True) == "pass"
   assert kernels.implementation_report("jnp", "cpu") == "pass"
   assert kernels.pallas_report("gpu").startswith("error: asked about 'gpu'")
 
 
 def test_auto_takes_pallas_where_it_runs_and_passes_the_check(monkeypatch):
-  monkeypatch.setattr(kernels.jax, "default_backend", lambda: "gpu")
-  monkeypatch.setattr(kernels, "pl", kernels.pl or object())
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(pallas, "pl", pallas.pl or object())
   for report, want in (("pass", "pallas"), ("fail: step 0: ...", "jnp"),
                        ("error: pallas: ...", "jnp")):
-    monkeypatch.setattr(kernels, "pallas_report", lambda *a, report=report, **k: report)
+    monkeypatch.setattr(kernel_step, "pallas_report", lambda *a, report=report, **k: report)
     assert kernels.chosen_implementation() == want, report
-  monkeypatch.setattr(kernels, "pallas_report", lambda *a, **k: "pass")
+  monkeypatch.setattr(kernel_step, "pallas_report", lambda *a, **k: "pass")
   assert kernels.chosen_implementation(bits=3) == "jnp"  # bit planes: jnp only
   assert kernels.chosen_implementation(block_size=kernels.GPU_MIN_BLOCK // 2) == "jnp"
 
@@ -204,7 +207,7 @@ def test_auto_takes_pallas_where_it_runs_and_passes_the_check(monkeypatch):
 def test_a_kernel_that_rounds_wrongly_fails_the_check(monkeypatch):
   # What keeps `auto` off a broken kernel: the same check, on an implementation that rounds
   # half away from zero... and off by one step at every .4.
-  monkeypatch.setattr(kernels, "_quantize", lambda x, s, bits: jnp.clip(
+  monkeypatch.setattr(arithmetic, "_quantize", lambda x, s, bits: jnp.clip(
       jnp.floor(s * x + 0.6), *quant.int_range(bits)))
   _jit_step.cache_clear()
   kernels.implementation_report.cache_clear()
@@ -242,7 +245,7 @@ def test_pallas_calls_trace_under_shard_map_with_varying_outputs():
   # Under shard_map (check_vma) a pallas_call needs inputs of one kind and outputs that say how
   # they vary; loco's mesh step on GPU runs the kernel there. (The CPU interpreter itself cannot
   # run under shard_map, so this checks the traced program.)
-  if kernels.pl is None:
+  if pallas.pl is None:
     pytest.skip("jax.experimental.pallas does not import on this jax")
   mesh = jax.make_mesh((8,), ("data",))
   from jax.sharding import PartitionSpec as P

@@ -1,4 +1,4 @@
-"""Tests for loco_jax.models: the byte-level GPT and the teacher-student MLP."""
+"""Tests for loco_jax.apps.models: the byte-level GPT and the teacher-student MLP."""
 import math
 
 import jax
@@ -8,7 +8,7 @@ import optax
 import pytest
 from flax import nnx
 
-from loco_jax.models import GPT, MLP, GPTConfig, gpt, mlp, num_params, teacher_student_data
+from loco_jax.apps.models import GPT, MLP, GPTConfig, gpt, mlp, num_params, teacher_student_data
 
 # Tiny sizes keep compiles short; eager initialisation compiles once per weight shape, so
 # each test module builds its models once (fixtures) and runs them under jit.

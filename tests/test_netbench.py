@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from loco_jax import netbench, netns
+from loco_jax.apps import netbench, netns
 
 TIMEOUT_S = 150
 
@@ -174,7 +174,10 @@ def test_the_collectives_replay_runs_the_steps_collectives_as_compiled():
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
 
-  from loco_jax import comm, loco, netbench_worker, parallel, wire
+  from loco_jax import comm, loco
+  from loco_jax.apps import netbench_worker
+  from loco_jax.comm import wire
+  from loco_jax.train import parallel
   mesh = parallel.data_mesh(8)
   with wire.chunking(1024):   # the pieces of a chunked step, each replayed as it is
     step, state = netbench_worker._exchange("loco", 40_000, mesh, jax, jnp, P)

@@ -6,7 +6,8 @@ import numpy as np
 import optax
 import pytest
 
-from loco_jax import comm, loco, parallel
+from loco_jax import comm, loco
+from loco_jax.train import parallel
 
 N = 8
 
@@ -31,7 +32,7 @@ def _batches(steps, size=64):
 
 
 def _mean():
-  from loco_jax import baselines
+  from loco_jax.transforms import baselines
   return baselines.uncompressed(axis_name="data")
 
 
@@ -143,7 +144,7 @@ def test_zero2_evaluates_a_callable_mask_on_the_full_shapes_like_ddp():
 
 
 def test_masks_see_full_shapes_through_inject_hyperparams_and_multi_transform():
-  from loco_jax import masks
+  from loco_jax.train import masks
   seen = []
   labels = lambda p: jax.tree.map(lambda x: seen.append(x.shape) or "decay", p)
   opt = optax.multi_transform(

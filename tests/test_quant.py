@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from loco_jax import quant
+from loco_jax.core import quant
 
 
 @pytest.mark.parametrize("bits", range(1, 9))

@@ -10,7 +10,9 @@ from hypothesis import strategies as st
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from loco_jax import comm, loco, parallel, wire
+from loco_jax import comm, loco
+from loco_jax.comm import wire
+from loco_jax.train import parallel
 
 N = 8
 
@@ -92,7 +94,7 @@ def test_loco_and_the_bf16_mean_give_the_same_result_chunked(mesh):
 
 
 def loco_jax_bf16() -> optax.GradientTransformation:
-  from loco_jax import baselines
+  from loco_jax.transforms import baselines
   return baselines.bf16("data")
 
 

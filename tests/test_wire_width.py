@@ -9,7 +9,9 @@ from hypothesis import strategies as st
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from loco_jax import baselines, comm, loco, parallel
+from loco_jax import comm, loco
+from loco_jax.train import parallel
+from loco_jax.transforms import baselines
 
 N = 8
 

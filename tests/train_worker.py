@@ -22,7 +22,8 @@ import optax  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from loco_jax import checkpoint, fsdp, loco, parallel  # noqa: E402
+from loco_jax import loco  # noqa: E402
+from loco_jax.train import checkpoint, fsdp, parallel
 
 IN, OUT, BATCH = 16, 4, 64
 LAYERS = 2  # mode="fsdp": residual tanh blocks between the regression's two layers

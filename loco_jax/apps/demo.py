@@ -1,0 +1,571 @@
+"""`loco-jax demo`: a small byte-level GPT trained on simulated CPU devices, once per method."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import importlib
+import math
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, NamedTuple, Sequence
+
+import numpy as np
+
+from loco_jax.apps import demo_output
+from loco_jax.train import files
+
+METHODS = ("none", "bf16", "int4-noef", "ef4", "loco4", "loco4-fixed", "co3-fp4")
+DESCRIPTIONS = {
+    "none": "float32 all-reduce (uncompressed)",
+    "bf16": "bfloat16 all-reduce",
+    "int4-noef": "4-bit absmax blocks, no error feedback (like ZeRO++ qgZ)",
+    "ef4": "4-bit absmax blocks, classic error feedback (beta=0, float32 error)",
+    "loco4": "LoCo: 4-bit blocks, 8-bit error averaged with beta=0.8, reset every 1024",
+    "loco4-fixed": "LoCo with the paper's one fixed scale s (default 2**17) and s_e = 4s",
+    "co3-fp4": "CO3: fp4 with a GenNorm-fitted scale, Huffman, error decay gamma=0.7",
+}
+RESULT_KEYS = ("method", "final_loss", "eval_loss", "gradient_bits_per_param",
+               "wire_bits_per_param", "step_time_s")
+AXIS = "data"
+EVAL_SEED = 2024  # the held-out windows do not change with --seed
+_SCALAR_BYTES = 64  # collectives this small carry a loss or a finiteness flag, not the gradient
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoConfig:
+  """Everything that fixes a demo run; the defaults are the zero-configuration demo."""
+  steps: int = 300
+  devices: int = 8
+  batch_per_device: int = 8
+  seq_len: int = 64
+  d_model: int = 64
+  n_layers: int = 2
+  n_heads: int = 4
+  d_ff: int = 256
+  lr: float = 2e-3
+  warmup: int = 20
+  seed: int = 0
+  block_size: int = 2048
+  fixed_scale: float = 2.0 ** 17
+  eval_batches: int = 16
+  corpus_bytes: int = 4_000_000
+
+  @property
+  def global_batch(self) -> int:
+    return self.devices * self.batch_per_device
+
+
+class Corpus(NamedTuple):
+  """The batches every method sees, in the same order: int32 [steps, B, L + 1] and [K, B, L + 1]."""
+  train_SxBxL: np.ndarray
+  eval_KxBxL: np.ndarray
+  source: str
+
+
+class MethodResult(NamedTuple):
+  """One method's run. `as_json` gives the results.json record."""
+  method: str
+  final_loss: float              # mean train loss over the last 10% of steps
+  eval_loss: float               # mean loss on the held-out batches after the last step
+  gradient_bits_per_param: float  # the gradient collective's buffer (payload + scales), from HLO
+  wire_bits_per_param: float      # sent per device per step, every collective, from HLO
+  step_time_s: float             # median wall time of a step (after compilation)
+  losses: list[float]            # train loss of every step
+  compile_s: float
+  state_bytes_per_device: int    # the compressor's state on one device
+  collectives: list[Any]         # comm.Collective of the lowered step
+
+  def as_json(self) -> dict[str, Any]:
+    """The results.json record; a diverged (non-finite) loss is null."""
+    finite = lambda v: v if not isinstance(v, float) or math.isfinite(v) else None
+    return {k: finite(getattr(self, k)) for k in RESULT_KEYS}
+
+
+class DemoError(ValueError):
+  """Bad input: printed on stderr, exit status 2."""
+
+
+# --- Methods --------------------------------------------------------------------------------------
+
+def co3_status() -> str | None:
+  """None if loco_jax.co3 imports, else why it does not."""
+  try:
+    module = importlib.import_module("loco_jax.co3")
+  except ImportError as e:
+    return f"loco_jax.co3 is not importable ({e})"
+  if not hasattr(module, "co3"):
+    return "loco_jax.co3 has no co3()"
+  return None
+
+
+def available_methods() -> tuple[str, ...]:
+  """METHODS, less co3-fp4 while loco_jax.co3 is missing."""
+  return tuple(m for m in METHODS if m != "co3-fp4" or co3_status() is None)
+
+
+def make_compressor(method: str, config: DemoConfig = DemoConfig(),
+                    axis_name: str | None = AXIS):
+  """The optax transformation that averages gradients over `axis_name` for a demo method.
+
+  Example:
+    >>> compressor = make_compressor("loco4")   # loco_jax.loco(bits=4, axis_name="data")
+  """
+  from loco_jax import loco
+  from loco_jax.transforms import baselines
+  b = config.block_size
+  if method == "none":
+    return baselines.uncompressed(axis_name)
+  if method == "bf16":
+    return baselines.bf16(axis_name)
+  if method == "int4-noef":
+    return baselines.int_quantized(4, b, axis_name)
+  if method == "ef4":
+    return baselines.error_feedback(4, b, axis_name)
+  if method == "loco4":
+    return loco(bits=4, block_size=b, axis_name=axis_name)
+  if method == "loco4-fixed":
+    s = config.fixed_scale
+    return loco(bits=4, scale=s, error_scale=4 * s, block_size=b, axis_name=axis_name)
+  if method == "co3-fp4":
+    why = co3_status()
+    if why:
+      raise DemoError(f"method co3-fp4 is unavailable: {why}")
+    return importlib.import_module("loco_jax.co3").co3(fmt="fp4", gamma=0.7, axis_name=axis_name)
+  raise DemoError(f"unknown method {method!r}; accepted: {', '.join(METHODS)}")
+
+
+# --- Devices, data, model -------------------------------------------------------------------------
+
+def setup_devices(n: int, platform: str | None = "cpu") -> None:
+  """Asks jax for `n` CPU devices (and the CPU platform) before its backend starts.
+
+  If the backend already runs (a test, a notebook), checks that it has at least `n` devices.
+  """
+  import jax
+  try:
+    if platform and not os.environ.get("JAX_PLATFORMS"):
+      jax.config.update("jax_platforms", platform)
+    jax.config.update("jax_num_cpu_devices", n)
+  except RuntimeError:
+    pass  # backend already initialized: use what it has
+  if jax.device_count() < n:
+    raise DemoError(f"--devices {n} asks for more devices than jax has ({jax.device_count()}); "
+                    f"jax was started before the demo could set the CPU device count")
+
+
+def held_out_split(raw: bytes, fraction: float = 0.1,
+                   chunk: int = 65_536) -> tuple[bytes, bytes]:
+  """(train, eval): every 1/fraction-th chunk of `chunk` bytes is held out, so that the eval
+  text is drawn from the whole corpus (the stdlib's last files are codec tables); corpora of
+  fewer than 2/fraction chunks are split by `data.split` (the last fraction)."""
+  from loco_jax.apps import data
+  every = round(1 / fraction)
+  chunks = [raw[i:i + chunk] for i in range(0, len(raw), chunk)]
+  if len(chunks) < 2 * every:
+    return data.split(raw, fraction)
+  held = set(range(every // 2, len(chunks), every))
+  return (b"".join(c for i, c in enumerate(chunks) if i not in held),
+          b"".join(c for i, c in enumerate(chunks) if i in held))
+
+
+def load_corpus(config: DemoConfig, data_path: str | os.PathLike | None = None) -> Corpus:
+  """Train and eval batches of the stdlib sources (or of the text at `data_path`)."""
+  from loco_jax.apps import data
+  if data_path is None:
+    raw, source = data.stdlib_corpus(config.corpus_bytes), "the Python standard library sources"
+  else:
+    raw, source = data.text_corpus(data_path, config.corpus_bytes), str(data_path)
+  b, l = config.global_batch, config.seq_len
+  need = 2 * (l + 1) + b
+  if len(raw) < need:
+    raise DemoError(f"text at {source} has {len(raw)} bytes; the demo needs at least {need} "
+                    f"(two windows of seq_len + 1 and some to split off for evaluation)")
+  train, held_out = held_out_split(raw, 0.1)
+  train_SxBxL = np.stack(list(data.batches(train, b, l, seed=config.seed,
+                                           num_batches=config.steps)))
+  if len(held_out) < l + 1:
+    held_out = train  # too short to hold any out: evaluate on train windows
+  # Random windows over all of the held-out text, the same for every seed and method.
+  eval_b = min(b, max((len(held_out) - 1) // l, 1))
+  eval_list = list(data.batches(held_out, eval_b, l, seed=EVAL_SEED,
+                                num_batches=config.eval_batches))
+  return Corpus(train_SxBxL, np.stack(eval_list), source)
+
+
+def make_model(config: DemoConfig):
+  """(graphdef, params, loss_fn) of the demo's GPT."""
+  from loco_jax.apps.models import GPT, GPTConfig, gpt
+  from flax import nnx
+  gpt_config = GPTConfig(seq_len=config.seq_len, d_model=config.d_model,
+                         n_layers=config.n_layers, n_heads=config.n_heads, d_ff=config.d_ff)
+  graphdef, params = gpt.split_model(GPT(gpt_config, rngs=nnx.Rngs(config.seed)))
+  return graphdef, params, lambda p, batch: gpt.apply_loss(graphdef, p, batch)
+
+
+def make_optimizer(config: DemoConfig):
+  """adamw with a linear warm-up to a constant `lr`."""
+  import optax
+  warmup = min(config.warmup, max(config.steps - 1, 0))
+  schedule = optax.join_schedules(
+      [optax.linear_schedule(config.lr / max(warmup, 1), config.lr, max(warmup, 1)),
+       optax.constant_schedule(config.lr)], [max(warmup, 1)]) if warmup else config.lr
+  return optax.adamw(schedule, weight_decay=0.01)
+
+
+# --- Measuring ------------------------------------------------------------------------------------
+
+def gradient_collectives(found: Sequence[Any]) -> list[Any]:
+  """The collectives that carry the gradient payload (codes plus scales), in HLO order.
+
+  The first non-scalar all-to-all, all-reduce or reduce-scatter of the step (scalars carry a
+  loss or a flag), with the others of its kind when the gradient goes leaf by leaf (pmean of a
+  pytree is one all-reduce a leaf); for a method that only gathers (top-k, CO3's server
+  average), its all-gathers.
+  """
+  big = [c for c in found if c.nbytes > _SCALAR_BYTES and not c.conditional]
+  for ops in (("all-to-all", "all-reduce", "reduce-scatter"), ("all-gather",)):
+    chosen = [c for c in big if c.op in ops]
+    if chosen:
+      return [c for c in chosen if c.op == chosen[0].op]
+  return []
+
+
+def gradient_bits(found: Sequence[Any], n_params: int) -> float:
+  """Bits per parameter of one device's gradient payload: the buffer of `gradient_collectives`
+  (for an all-gather, one device's share: its result / group size)."""
+  nbytes = sum(c.nbytes / (c.group_size if c.op == "all-gather" else 1)
+               for c in gradient_collectives(found))
+  return 8.0 * nbytes / n_params
+
+
+def per_device_bytes(tree: Any) -> int:
+  """Bytes one device holds of a pytree of (possibly sharded) jax arrays."""
+  import jax
+  return int(sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree)))
+
+
+def _make_eval(loss_fn: Callable, mesh) -> Callable:
+  import jax
+  from jax.sharding import PartitionSpec as P
+
+  def local(params, batch):
+    return jax.lax.pmean(loss_fn(params, batch), AXIS)
+
+  return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=P()))
+
+
+def evaluate(loss_fn: Callable, params: Any, eval_KxBxL: np.ndarray, mesh) -> float:
+  """Mean loss over the held-out batches; each batch split over the mesh when it divides."""
+  import jax
+  n = mesh.shape[AXIS]
+  if eval_KxBxL.shape[1] % n == 0:
+    fn = _make_eval(loss_fn, mesh)
+  else:
+    fn = jax.jit(loss_fn)
+    params = jax.device_get(params)
+  return float(np.mean([float(fn(params, batch)) for batch in eval_KxBxL]))
+
+
+def run_method(name: str, compressor, config: DemoConfig, corpus: Corpus,
+               progress: demo_output.Progress | None = None, optimizer=None, mode: str = "ddp",
+               observe: Callable[[Any, int], None] | None = None,
+               **step_kwargs: Any) -> MethodResult:
+  """Trains the demo model with `compressor` averaging the gradients over the devices.
+
+  `mode` and `step_kwargs` go to `parallel.make_train_step` ("zero2" needs a compressor with
+  reduce-scatter semantics); `observe(state, step)` is called after every step.
+
+  Example:
+    >>> config = DemoConfig(steps=20)
+    >>> result = run_method("loco4", make_compressor("loco4"), config, load_corpus(config))
+  """
+  import jax.numpy as jnp
+  from loco_jax import comm
+  from loco_jax.train import parallel
+  from loco_jax.apps.models import num_params
+
+  mesh = parallel.data_mesh(config.devices, AXIS)
+  _, params, loss_fn = make_model(config)
+  n_params = num_params(params)
+  optimizer = optimizer or make_optimizer(config)
+  state, specs = parallel.init_train_state(params, optimizer, mesh, compressor=compressor,
+                                           mode=mode)
+  step = parallel.make_train_step(loss_fn, optimizer, mesh, specs, params,
+                                  compressor=compressor, mode=mode, **step_kwargs)
+  batches = corpus.train_SxBxL
+  start = time.perf_counter()
+  lowered = step.jitted.lower(state, jnp.asarray(batches[0]))
+  found = comm.collectives(lowered.as_text(dialect="hlo"), config.devices)
+  compiled = lowered.compile()
+  compile_s = time.perf_counter() - start
+  losses, times = [], []
+  for i, batch in enumerate(batches):
+    t0 = time.perf_counter()
+    state, loss = compiled(state, jnp.asarray(batch))
+    losses.append(float(loss))
+    times.append(time.perf_counter() - t0)
+    if observe:
+      observe(state, i + 1)
+    if progress:
+      progress.update(name, i + 1, losses[-1], times[-1])
+  final = state.params if mode == "ddp" else parallel.unshard_params(state.params, params)
+  tail = losses[-max(len(losses) // 10, 1):]
+  return MethodResult(
+      method=name, final_loss=float(np.mean(tail)),
+      eval_loss=evaluate(loss_fn, final, corpus.eval_KxBxL, mesh),
+      gradient_bits_per_param=round(gradient_bits(found, n_params), 4),
+      wire_bits_per_param=round(comm.wire_bits_per_param(found, n_params), 4),
+      step_time_s=float(np.median(times[1:] if len(times) > 1 else times)),
+      losses=losses, compile_s=compile_s,
+      state_bytes_per_device=per_device_bytes(state.compressor_state),
+      collectives=list(found))
+
+
+# --- Command line ---------------------------------------------------------------------------------
+
+MAX_DEVICES = 64  # simulated CPU devices: threads of one process; XLA aborts in the hundreds
+MAX_SEED = 2**63 - 1  # jax's PRNG keys take a C long
+
+
+def _bounded_int(low: int, high: int | None = None, what: str = "") -> Callable[[str], int]:
+  """An argparse type: an int in low..high (argparse names the flag in its message)."""
+  accepted = what or (f"an integer in {low}..{high}" if high is not None else
+                      "a positive integer" if low == 1 else f"an integer >= {low}")
+
+  def parse(text: str) -> int:
+    try:
+      value = int(text)
+    except ValueError:
+      raise argparse.ArgumentTypeError(f"expected {accepted}, got {text!r}") from None
+    if value < low or (high is not None and value > high):
+      raise argparse.ArgumentTypeError(f"expected {accepted}, got {value}")
+    return value
+
+  return parse
+
+
+_positive_int = _bounded_int(1)
+
+
+def _positive_float(text: str) -> float:
+  try:
+    value = float(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+  if not (math.isfinite(value) and value > 0):
+    raise argparse.ArgumentTypeError(f"expected a positive number, got {value}")
+  return value
+
+
+def parser() -> argparse.ArgumentParser:
+  d = DemoConfig()
+  p = argparse.ArgumentParser(
+      prog="loco-jax demo",
+      description="Trains a small byte-level GPT data-parallel over simulated CPU devices once "
+                  "per gradient-communication method (same seed and data order) and compares "
+                  "loss and bits on the wire. Methods: " +
+                  "; ".join(f"{m}: {DESCRIPTIONS[m]}" for m in METHODS) + ".")
+  p.add_argument("--methods", default=None,
+                 help=f"comma-separated subset of {','.join(METHODS)} (default: all available)")
+  p.add_argument("--steps", type=_positive_int, default=d.steps, help="train steps per method")
+  p.add_argument("--devices", type=_bounded_int(
+      1, MAX_DEVICES, f"an integer in 1..{MAX_DEVICES} (simulated CPU devices)"),
+      default=d.devices, help=f"simulated CPU devices (data-parallel workers), 1..{MAX_DEVICES}")
+  p.add_argument("--batch", type=_positive_int, default=d.batch_per_device,
+                 help="sequences per device per step")
+  p.add_argument("--seq-len", type=_positive_int, default=d.seq_len,
+                 help="tokens per sequence (at most what fits in half of this machine's memory: "
+                      "the attention scores grow with devices x batch x heads x seq-len^2)")
+  p.add_argument("--d-model", type=_positive_int, default=d.d_model, help="model width")
+  p.add_argument("--layers", type=_positive_int, default=d.n_layers, help="transformer blocks")
+  p.add_argument("--heads", type=_positive_int, default=d.n_heads, help="attention heads")
+  p.add_argument("--d-ff", type=_positive_int, default=None, help="MLP width (default 4 x d-model)")
+  p.add_argument("--lr", type=_positive_float, default=d.lr, help="adamw learning rate")
+  p.add_argument("--seed", type=_bounded_int(0, MAX_SEED, "an integer in 0..2**63-1"),
+                 default=d.seed, help="model init and data order (0..2**63-1)")
+  p.add_argument("--fixed-scale", type=_positive_float, default=d.fixed_scale,
+                 help="loco4-fixed's global scale s (the paper: 2**17 pre-training)")
+  p.add_argument("--eval-batches", type=_positive_int, default=d.eval_batches,
+                 help="held-out batches for the eval loss")
+  p.add_argument("--data", default=None,
+                 help="a text file or folder to train on (default: the stdlib's own sources)")
+  p.add_argument("--out", default=None,
+                 help="output folder, new or a previous demo's (default runs/demo-<timestamp>); "
+                      "its outputs are replaced as one set")
+  return p
+
+
+def config_from_args(args: argparse.Namespace) -> DemoConfig:
+  return DemoConfig(steps=args.steps, devices=args.devices, batch_per_device=args.batch,
+                    seq_len=args.seq_len, d_model=args.d_model, n_layers=args.layers,
+                    n_heads=args.heads, d_ff=args.d_ff or 4 * args.d_model, lr=args.lr,
+                    seed=args.seed, fixed_scale=args.fixed_scale, eval_batches=args.eval_batches)
+
+
+def _choose_methods(text: str | None) -> tuple[list[str], dict[str, str]]:
+  """(methods to run, {method: why unavailable}); DemoError on unknown names."""
+  why = co3_status()
+  unavailable = {"co3-fp4": why} if why else {}
+  if text is None:
+    return [m for m in METHODS if m not in unavailable], unavailable
+  chosen = [m.strip() for m in text.split(",") if m.strip()]
+  unknown = [m for m in chosen if m not in METHODS]
+  if unknown or not chosen:
+    raise DemoError(f"unknown method {', '.join(map(repr, unknown)) or '(none given)'}; "
+                    f"accepted: {', '.join(METHODS)}")
+  for m in chosen:
+    if m in unavailable:
+      raise DemoError(f"method {m} is unavailable: {unavailable[m]}")
+  return list(dict.fromkeys(chosen)), {}
+
+
+def physical_memory() -> int:
+  """Bytes of memory of this machine."""
+  return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _check_memory(config: DemoConfig, memory: int) -> None:
+  """DemoError naming the flag when the run would need more than half of `memory`.
+
+  The two terms that grow without bound: the attention scores (every device of this one
+  process holds batch x heads x seq_len^2 float32 a layer, about 4 such arrays with the
+  backward pass) and the token batches, all made before the first step.
+  """
+  budget, gib = memory // 2, lambda n: f"{n / 2**30:.1f} GiB"
+  per_square = config.devices * config.batch_per_device * config.n_heads * 4 * config.n_layers * 4
+  attention = per_square * config.seq_len ** 2
+  if attention > budget:
+    raise DemoError(
+        f"--seq-len {config.seq_len}: the attention scores alone would take about "
+        f"{gib(attention)} ({config.devices} devices x {config.batch_per_device} sequences x "
+        f"{config.n_heads} heads x seq-len^2 x 4 bytes x {config.n_layers} layers x 4 arrays), "
+        f"more than half of this machine's {gib(memory)}; accepted: at most "
+        f"{math.isqrt(budget // per_square)} with these --devices, --batch, --heads, --layers")
+  per_step = config.global_batch * (config.seq_len + 1) * 4
+  tokens = (config.steps + config.eval_batches) * per_step
+  if tokens > budget:
+    raise DemoError(
+        f"--steps {config.steps} with --seq-len {config.seq_len}: the token batches, made up "
+        f"front, would take {gib(tokens)}, more than half of this machine's {gib(memory)}; "
+        f"accepted: at most {budget // per_step - config.eval_batches} steps")
+
+
+def _check_config(config: DemoConfig, memory: int | None = None) -> None:
+  """What the flags' types cannot check alone, before jax starts (`memory`: bytes, default
+  this machine's)."""
+  if config.d_model % config.n_heads:
+    raise DemoError(f"--d-model {config.d_model} must be divisible by --heads {config.n_heads}")
+  _check_memory(config, physical_memory() if memory is None else memory)
+
+
+def _check_out(text: str | None) -> tuple[Path, Path]:
+  """(--out as an absolute path, an empty staging folder beside it), or a DemoError saying why
+  the demo could not write there. The folder is created (empty) if it is new."""
+  out = Path(text or Path("runs") / f"demo-{datetime.datetime.now():%Y%m%d-%H%M%S}").absolute()
+  shown = text or str(out)
+  for folder in (out, *out.parents):
+    if folder.exists() and not folder.is_dir():
+      raise DemoError(f"--out {shown} exists and is a file; expected a folder" if folder == out
+                      else f"--out {shown} is under {folder}, which is a file, not a folder")
+    if folder.exists():
+      break
+  if out.is_dir():
+    foreign = sorted(p.name for p in out.iterdir() if p.name not in demo_output.OUTPUTS)
+    if foreign:
+      raise DemoError(f"--out {shown} holds files the demo does not write ({', '.join(foreign)}"
+                      f"); its outputs replace the folder as a whole: give a new or empty "
+                      f"folder, or a previous demo's output folder")
+    if not os.access(out, os.W_OK | os.X_OK):
+      raise DemoError(f"--out {shown} is not writable")
+  try:
+    out.mkdir(parents=True, exist_ok=True)
+    return out, files.staging_folder(out)
+  except OSError as e:
+    raise DemoError(f"--out {shown} is not writable: {e.strerror} ({e.filename})") from None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  """Runs the demo; returns the exit status (2 on bad input, 130 when interrupted).
+
+  Every flag and the output folder are checked before jax starts; the outputs are written
+  into a folder beside `--out` and moved into its place at once, so an interrupted or failed
+  write leaves the previous outputs whole.
+  """
+  argv = sys.argv[1:] if argv is None else list(argv)
+  try:
+    args = parser().parse_args(argv)
+  except SystemExit as e:  # argparse: --help (0) or a usage error (2, message already printed)
+    return int(e.code or 0)
+  staging = None
+  try:
+    try:
+      config = config_from_args(args)
+      _check_config(config)
+      methods, unavailable = _choose_methods(args.methods)
+      if args.data is not None and not Path(args.data).exists():
+        raise DemoError(f"--data {args.data}: no such file or folder; expected a text file or "
+                        f"a folder of .txt/.md/.py/.rst files")
+      out, staging = _check_out(args.out)
+      setup_devices(config.devices)
+      corpus = load_corpus(config, args.data)
+    except (DemoError, ValueError) as e:
+      print(f"loco-jax demo: error: {e}", file=sys.stderr)
+      return 2
+    return _train_and_write(config, methods, unavailable, corpus, out, staging)
+  finally:
+    if staging is not None and staging.exists():
+      shutil.rmtree(staging)
+
+
+def _train_and_write(config: DemoConfig, methods: list[str], unavailable: dict[str, str],
+                     corpus: Corpus, out: Path, staging: Path) -> int:
+  _, params, _ = make_model(config)
+  from loco_jax.apps.models import num_params
+  progress = demo_output.Progress(methods, config.steps)
+  progress.note(
+      f"loco-jax demo: {num_params(params):,}-parameter byte-level GPT on {corpus.source}, "
+      f"{config.devices} devices x {config.batch_per_device} sequences x {config.seq_len} "
+      f"tokens, {config.steps} steps per method, adamw lr {config.lr:g}, seed {config.seed}; "
+      f"methods: {', '.join(methods)}" +
+      "".join(f"\n  {m} unavailable: {why}" for m, why in unavailable.items()))
+  results = []
+  start = time.perf_counter()
+  try:
+    for method in methods:
+      results.append(run_method(method, make_compressor(method, config), config, corpus,
+                                progress))
+  except KeyboardInterrupt:
+    print("\nloco-jax demo: interrupted; nothing written", file=sys.stderr)
+    return 130
+  total_s = time.perf_counter() - start
+
+  try:
+    plotted = demo_output.write_outputs(
+        staging, results, f"loco-jax demo: {num_params(params):,} params, {config.devices} devices")
+    files.replace_folder(staging, out)
+  except KeyboardInterrupt:  # held back during the renames: raised before or after them
+    state = "is as it was" if staging.exists() else "holds the new outputs"
+    print(f"\nloco-jax demo: interrupted while writing; {out} {state}", file=sys.stderr)
+    return 130
+  except OSError as e:
+    print(f"loco-jax demo: error: could not write the outputs ({e}); {out} is as it was",
+          file=sys.stderr)
+    return 1
+  print(demo_output.format_table(results, unavailable))
+  text = demo_output.summary(results)
+  if text:
+    print(text)
+  compile_s = sum(r.compile_s for r in results)
+  print(f"total {demo_output.clock(total_s)} (compile {compile_s:.0f} s); wrote "
+        f"{out / 'results.json'}, loss_curves.csv" +
+        (", loss_curves.png" if plotted else " (no PNG: matplotlib is not installed)"))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

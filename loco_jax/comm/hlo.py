@@ -1,0 +1,113 @@
+"""Collectives and their bytes read from a compiled (or lowered) program's HLO text."""
+
+import math
+import re
+from typing import NamedTuple, Sequence
+
+import jax
+
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
+                "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "s4": 0.5, "u4": 0.5}
+_COLLECTIVES = ("all-to-all", "all-gather", "all-reduce", "reduce-scatter", "collective-permute")
+_INSTRUCTION = re.compile(
+    r"=\s*(?P<result>\(.*?\)|\w+\[[\d,]*\](?:\{[^}]*\})?)\s+"
+    r"(?P<op>" + "|".join(_COLLECTIVES) + r")(?P<start>-start)?\((?P<attrs>.*)$")
+_SHAPE = re.compile(r"(\w+)\[([\d,]*)\]")
+
+
+class Collective(NamedTuple):
+  """One collective of a lowered step: `nbytes` is the full buffer (gathered or pre-scatter).
+
+  `conditional` marks one inside a branch of a conditional (a rare path such as CO3's
+  overflow), which a step does not always run.
+  """
+  op: str
+  dtype: str
+  nbytes: float
+  group_size: int
+  conditional: bool = False
+
+  @property
+  def sent_bytes(self) -> float:
+    """Bytes each device sends: ring all-reduce 2(n-1)/n b; the others (n-1)/n b."""
+    n = self.group_size
+    factor = 2 * (n - 1) / n if self.op == "all-reduce" else (n - 1) / n
+    return factor * self.nbytes
+
+
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_BRANCHES = re.compile(r"(?:branch_computations=\{([^}]*)\}|"
+                       r"(?:true|false)_computation=%?([\w.\-]+))")
+
+
+def _shape_bytes(text: str) -> tuple[str, float]:
+  dtypes, total = [], 0.0
+  for dtype, dims in _SHAPE.findall(text):
+    count = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
+    total += count * _DTYPE_BYTES.get(dtype, 4)
+    dtypes.append(dtype)
+  return ",".join(sorted(set(dtypes))), total
+
+
+def _group_size(attrs: str, default: int) -> int:
+  groups = re.search(r"replica_groups=\{\{([\d,]*)\}", attrs)
+  if groups:
+    return len(groups.group(1).split(","))
+  iota = re.search(r"replica_groups=\[(\d+),(\d+)\]", attrs)
+  if iota:
+    return int(iota.group(2))
+  return default
+
+
+def collectives(hlo_text: str, num_devices: int) -> list[Collective]:
+  """Every collective in HLO text (`jax.jit(f).lower(...).as_text(dialect="hlo")`)."""
+  lines = hlo_text.splitlines()
+  branches = set()
+  for line in lines:
+    for listed, single in _BRANCHES.findall(line):
+      branches.update(name.strip().lstrip("%") for name in (listed or single).split(","))
+  found, computation = [], ""
+  for line in lines:
+    header = _COMPUTATION.match(line)
+    if header:
+      computation = header.group(1)
+      continue
+    m = _INSTRUCTION.search(line)
+    if not m:
+      continue
+    op, result = m.group("op"), m.group("result")
+    if m.group("start") and result.startswith("("):
+      result = result[1:].split("]")[0] + "]"  # async start: (operand, result, ...); same size
+    dtype, nbytes = _shape_bytes(result)
+    n = _group_size(m.group("attrs"), num_devices)
+    # The full buffer: what a gather returns, what a scatter takes (n times what it returns).
+    found.append(Collective(op, dtype, nbytes * n if op == "reduce-scatter" else nbytes, n,
+                            computation in branches))
+  return found
+
+
+def lowered_collectives(fn, *args, num_devices: int | None = None) -> list[Collective]:
+  """Lowers `fn` (jitted or not) on `args` and lists its collectives."""
+  jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
+  text = jitted.lower(*args).as_text(dialect="hlo")
+  return collectives(text, num_devices or jax.device_count())
+
+
+def compiled_collectives(fn, *args, num_devices: int | None = None) -> list[Collective]:
+  """Compiles `fn` on `args` for this backend and lists the collectives the program runs.
+
+  What crosses the wire: the backend's compiler may rewrite collectives after lowering (XLA:CPU
+  widens 16-bit float ones to float32), so where the lowered and compiled HLO differ, this one
+  is right.
+  """
+  jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
+  text = jitted.lower(*args).compile().as_text()
+  return collectives(text, num_devices or jax.device_count())
+
+
+def wire_bits_per_param(found: Sequence[Collective], n_params: int,
+                        include_conditional: bool = False) -> float:
+  """Bits each device sends per parameter per step, summed over every collective that every
+  step runs (and over the conditional ones too with `include_conditional`)."""
+  return 8.0 * sum(c.sent_bytes for c in found
+                   if include_conditional or not c.conditional) / n_params

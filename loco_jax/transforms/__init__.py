@@ -1,0 +1,1 @@
+"""The optax transformations: loco, two_hop, co3 and the baselines."""

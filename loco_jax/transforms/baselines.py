@@ -1,0 +1,344 @@
+"""Comparators for LoCo: fp32 and bf16 all-reduce, int4 without feedback, EF, EF21, sign, top-k."""
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from loco_jax import comm
+from loco_jax.core import quant, trees
+from loco_jax.transforms import baseline_codecs
+from loco_jax.comm import AxisName
+from loco_jax.transforms.loco import _compressible, _keep_if, loco
+
+_HINT = " (under optax.inject_hyperparams pass it in static_args)"
+
+
+class ErrorFeedbackState(NamedTuple):
+  """State of `error_feedback`, `sign_ef` and `topk_ef`; the error differs per device."""
+  error: optax.Updates      # float32 [size] per leaf (size 0 for leaves passed through): h - d
+
+  PER_DEVICE = ("error",)
+
+
+class EF21State(NamedTuple):
+  """State of `ef21`: this device's estimate g_i and the averaged estimate g (replicated)."""
+  local: optax.Updates      # float32 [size] per leaf: g_i, differs per device
+  estimate: optax.Updates   # float32 [size] per leaf: g, the output, the same on every device
+
+  PER_DEVICE = ("local",)
+
+
+# --- Argument checks ----------------------------------------------------------------------------
+
+def _check_bits(bits: int) -> None:
+  try:
+    quant.check_bits(bits)
+  except ValueError as e:
+    raise ValueError(str(e) + _HINT) from None
+
+
+def _check_block_size(block_size: int) -> None:
+  if (isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer))
+      or block_size <= 0):
+    raise ValueError(f"block_size must be a positive int, got {block_size!r}{_HINT}")
+
+
+def _check_fraction(fraction: float) -> None:
+  try:
+    value = float(fraction)
+  except (TypeError, ValueError):
+    raise ValueError(f"fraction must be a Python float in (0, 1] (it fixes how many values are "
+                     f"sent, a shape), got {fraction!r}{_HINT}") from None
+  if not 0.0 < value <= 1.0:
+    raise ValueError(f"fraction must be in (0, 1], got {fraction!r}")
+
+
+# --- One update's leaves ------------------------------------------------------------------------
+
+class _Step(NamedTuple):
+  """An update's leaves: `chosen` are the float, non-empty ones; `flag` is 0, or NaN if one of
+  them is not finite (added to every output, so that a bad step is NaN everywhere)."""
+  leaves: list
+  treedef: Any
+  chosen: list[int]
+  flag: jax.Array
+
+  def flat(self, i: int) -> jax.Array:
+    return self.leaves[i].reshape(-1).astype(jnp.float32)
+
+  def of(self, tree: Any) -> list:
+    return self.treedef.flatten_up_to(tree)
+
+  def outputs(self, values: list[jax.Array], flags: jax.Array) -> Any:
+    """Flat float32 values of the chosen leaves (+ flags) -> the update, in the leaves' dtypes."""
+    out = list(self.leaves)
+    for i, v in zip(self.chosen, values):
+      out[i] = quant.saturating_cast((v + flags).reshape(self.leaves[i].shape),
+                                     self.leaves[i].dtype)
+    return self.treedef.unflatten(out)
+
+
+def _step(updates: Any) -> _Step:
+  leaves, treedef = jax.tree.flatten(updates)
+  chosen = [i for i, g in enumerate(leaves) if _compressible(g)]
+  finite = jnp.bool_(True)
+  for i in chosen:
+    finite &= jnp.all(jnp.isfinite(leaves[i]))
+  return _Step(leaves, treedef, chosen, jnp.where(finite, 0.0, jnp.nan).astype(jnp.float32))
+
+
+def _flat_zeros(params: Any) -> Any:
+  return jax.tree.map(
+      lambda x: jnp.zeros((x.size if _compressible(x) else 0,), jnp.float32), params)
+
+
+# --- The transformations ------------------------------------------------------------------------
+
+def _saturating_cast_keeping_inf(x: jax.Array, dtype) -> jax.Array:
+  """x as `dtype`, finite values beyond its range saturating; +-inf and NaN stay as they are."""
+  return jnp.where(jnp.isinf(x), x.astype(dtype), quant.saturating_cast(x, dtype))
+
+
+def _all_reduce(wire_dtype, axis_name: AxisName | None,
+                who: str) -> optax.GradientTransformationExtraArgs:
+  def update_fn(updates, state, params=None, **extra_args):
+    del params, extra_args
+    leaves, treedef = jax.tree.flatten(updates)
+    chosen = [i for i, g in enumerate(leaves) if _compressible(g)]
+    wire = [_saturating_cast_keeping_inf(leaves[i], wire_dtype) for i in chosen]
+    if axis_name is not None and wire:
+      # The sum inside a mean overflows for finite gradients near the maximum; the mean of
+      # x / 2**k (2**k >= n) cannot, and times 2**k it is the same number (powers of two: exact).
+      down = quant.mean_factors(comm.axis_size(axis_name, who))[0]
+      wire = [x * jnp.asarray(down, x.dtype) for x in wire]
+      # 16-bit floats: a mean that crosses at 16 bits on every backend (comm.mean_16bit).
+      wire = (comm.mean_16bit(wire, axis_name) if wire[0].dtype == jnp.bfloat16
+              else jax.lax.pmean(wire, axis_name))
+      wire = [x * jnp.asarray(1 / down, x.dtype) for x in wire]
+    out = list(leaves)
+    for i, x in zip(chosen, wire):
+      out[i] = _saturating_cast_keeping_inf(x, leaves[i].dtype)
+    return treedef.unflatten(out), state
+
+  return optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update_fn)
+
+
+def uncompressed(axis_name: AxisName | None = None) -> optax.GradientTransformationExtraArgs:
+  """The mean of the gradients over `axis_name` in float32 (`jax.lax.pmean`, a ring all-reduce).
+
+  Without an axis it is the identity. Non-float and zero-size leaves pass through; the output
+  keeps each gradient's dtype (float16 and bfloat16 gradients are averaged in float32). There
+  is no state: a non-finite gradient stays non-finite in its leaf of the output. Finite ones give
+  finite outputs: the mean is that of g / 2**k, times 2**k (exact; no overflow near the float32
+  maximum), and a cast back to a 16-bit leaf saturates at its largest finite value.
+
+  Example:
+    >>> opt = optax.chain(loco_jax.transforms.baselines.uncompressed(), optax.adamw(3e-4))
+    >>> state = opt.init(params)             # with an axis_name: inside jax.shard_map
+    >>> updates, state = opt.update(grads, state, params)
+  """
+  return _all_reduce(jnp.float32, axis_name, "uncompressed")
+
+
+def bf16(axis_name: AxisName | None = None) -> optax.GradientTransformationExtraArgs:
+  """Gradients cast to bfloat16, averaged over `axis_name` in bfloat16, cast back to their dtype.
+
+  Without an axis it rounds every float gradient to bfloat16 (PyTorch DDP's bf16 hook). With
+  one, a bf16 all-reduce where the backend moves bf16 as is (GPU, TPU); on CPU, whose
+  collectives would widen it to 32 bits, the same 16 bits a value as uint16 all-to-all, float32
+  sum and uint16 all-gather (`comm.mean_16bit`; the HLO accounting shows which ran). Finite
+  gradients beyond bfloat16's range (or means beyond a float16 leaf's) saturate at the largest
+  finite value instead of becoming inf, and the mean is that of g / 2**k, times 2**k (no
+  overflow); non-finite gradients stay non-finite.
+
+  Example:
+    >>> opt = optax.chain(loco_jax.transforms.baselines.bf16(), optax.adamw(3e-4))  # or axis_name="data"
+    >>> state = opt.init(params)
+    >>> updates, state = opt.update(grads, state, params)
+  """
+  return _all_reduce(jnp.bfloat16, axis_name, "bf16")
+
+
+def int_quantized(bits: int = 4, block_size: int = 2048,
+                  axis_name: AxisName | None = None) -> optax.GradientTransformationExtraArgs:
+  """Absmax block quantization to `bits` without error feedback (like ZeRO++ qgZ).
+
+  The leaves are cut into blocks of at most `block_size` elements as `loco`'s buckets cut them,
+  with one float32 scale each, s = (2**(bits-1) - 1) / max|g|; d = round(s * g) / s. It runs
+  `loco(beta=1.0)` from a zero error every step. With an axis the output is the mean of every device's d over LoCo's wire: one
+  all-to-all of packed codes and scales, a float32 average of this device's shard, and a
+  bfloat16 all-gather (bits + 16 bits a parameter). A non-finite gradient (on any device) makes
+  every output NaN; finite ones give finite outputs (q / s, the mean and the casts saturate at
+  the largest finite value, as in `loco`). Non-float and zero-size leaves pass through; dtypes
+  are kept.
+
+  Example:
+    >>> opt = optax.chain(loco_jax.transforms.baselines.int_quantized(bits=4), optax.adamw(3e-4))
+    >>> state = opt.init(params)
+    >>> updates, state = opt.update(grads, state, params)
+  """
+  _check_bits(bits)
+  _check_block_size(block_size)
+  # loco with beta = 1 and an error that starts at 0 every step: the same blocks (buckets), the
+  # same kernels and wire, and no state to keep.
+  inner = loco(bits, beta=1.0, block_size=block_size, axis_name=axis_name)
+
+  def update_fn(updates, state, params=None, **extra_args):
+    del params, extra_args
+    out, _ = inner.update(updates, inner.init(updates))
+    return out, state
+
+  return optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update_fn)
+
+
+def _feedback(codec: baseline_codecs.Codec, axis_name: AxisName | None, who: str,
+              beta: float = 0.0) -> optax.GradientTransformationExtraArgs:
+  """Classic error feedback around `codec`: h = g + e, send C(h), e' = h - d (float32); with
+  `beta`, LoCo's moving average e' = beta e + (1 - beta)(h - d) (an experiments' ablation)."""
+  def init_fn(params):
+    return ErrorFeedbackState(_flat_zeros(params))
+
+  def update_fn(updates, state, params=None, **extra_args):
+    del params, extra_args
+    trees.check_state_matches(who, updates, state, jax.eval_shape(init_fn, updates))
+    step = _step(updates)
+    if not step.chosen:
+      return updates, state
+    errors = step.of(state.error)
+    hs = [quant.saturate(step.flat(i) + errors[i]) for i in step.chosen]  # finite, never inf
+    messages, decoded = baseline_codecs.encode_all(codec, hs, axis_name, who)
+    means, flags = baseline_codecs.average_all(codec, messages, decoded, step.flag, axis_name)
+    new_errors = list(errors)
+    for i, h, d in zip(step.chosen, hs, decoded):
+      new_errors[i] = (h - d if beta == 0  # h and d share their sign: no overflow
+                       else quant.saturate(beta * errors[i] + (1.0 - beta) * (h - d)))
+    new_errors = _keep_if(jnp.isfinite(flags), new_errors, errors)
+    return step.outputs(means, flags), ErrorFeedbackState(step.treedef.unflatten(new_errors))
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def error_feedback(bits: int = 4, block_size: int = 2048,
+                   axis_name: AxisName | None = None) -> optax.GradientTransformationExtraArgs:
+  """Classic error feedback (Seide et al. 2014) around `int_quantized`, error in float32.
+
+  h = g + e; d = Q(h) (absmax blocks of about `block_size`, `bits` bits); e' = h - d; the
+  output is d, or with an axis the mean of every device's d over the same wire as
+  `int_quantized`. This is `loco(beta=0)` with the error kept exactly.
+
+  With an axis, create the state inside `jax.shard_map` and declare it with
+  `loco_jax.state_specs` (or use `parallel.init_opt_state`): the error differs per device.
+  A non-finite gradient (on any device of the axis) makes every output NaN and leaves the
+  state unchanged; finite ones give finite outputs and errors (h = g + e, the means and the
+  casts saturate at the largest finite value). Non-float and zero-size leaves pass through;
+  dtypes are kept.
+
+  Example:
+    >>> opt = optax.chain(loco_jax.transforms.baselines.error_feedback(bits=4), optax.adamw(3e-4))
+    >>> state = opt.init(params)
+    >>> updates, state = opt.update(grads, state, params)
+  """
+  _check_bits(bits)
+  _check_block_size(block_size)
+  return _feedback(baseline_codecs.block_codec(bits, block_size), axis_name, "error_feedback")
+
+
+def sign_ef(block_size: int = 2048,
+            axis_name: AxisName | None = None) -> optax.GradientTransformationExtraArgs:
+  """1-bit sign compression with error feedback (the compressor of 1-bit Adam).
+
+  h = g + e; per block of about `block_size` elements s = mean |h| (sent as float32) and
+  d = s * sign(h) (sign(0) = +1), one bit per element; e' = h - d in float32. With an axis,
+  one all-to-all carries the packed signs and scales, each device averages its shard in float32
+  and a bfloat16 all-gather returns it (1 + 16 bits a parameter).
+
+  With an axis, create the state inside `jax.shard_map` and declare it with
+  `loco_jax.state_specs` (or use `parallel.init_opt_state`): the error differs per device.
+  A non-finite gradient (on any device of the axis) makes every output NaN and leaves the
+  state unchanged; finite ones give finite outputs and errors (h = g + e, the means and the
+  casts saturate at the largest finite value). Non-float and zero-size leaves pass through;
+  dtypes are kept.
+
+  Example:
+    >>> opt = optax.chain(loco_jax.transforms.baselines.sign_ef(), optax.adamw(3e-4))
+    >>> state = opt.init(params)
+    >>> updates, state = opt.update(grads, state, params)
+  """
+  _check_block_size(block_size)
+  return _feedback(baseline_codecs.sign_codec(block_size), axis_name, "sign_ef")
+
+
+def topk_ef(fraction: float = 0.01,
+            axis_name: AxisName | None = None) -> optax.GradientTransformationExtraArgs:
+  """Top-k sparsification with error feedback: the k = max(1, round(fraction * size)) entries of
+  largest |h| of each leaf are sent, the rest kept in the float32 error.
+
+  h = g + e; d = h on the top-k entries, 0 elsewhere; e' = h - d. With an axis, one all-gather
+  carries every device's (int32 index, float32 value) pairs of every leaf; each device sums
+  them (scatter-add) and divides by the device count: each device sends (N - 1) * 64 * fraction
+  bits a parameter (its pairs to each of N - 1 peers).
+
+  With an axis, create the state inside `jax.shard_map` and declare it with
+  `loco_jax.state_specs` (or use `parallel.init_opt_state`): the error differs per device.
+  A non-finite gradient (on any device of the axis) makes every output NaN and leaves the
+  state unchanged; finite ones give finite outputs and errors (h = g + e, the means and the
+  casts saturate at the largest finite value). Non-float and zero-size leaves pass through;
+  dtypes are kept.
+
+  Example:
+    >>> opt = optax.chain(loco_jax.transforms.baselines.topk_ef(fraction=0.01), optax.adamw(3e-4))
+    >>> state = opt.init(params)
+    >>> updates, state = opt.update(grads, state, params)
+  """
+  _check_fraction(fraction)
+  return _feedback(baseline_codecs.topk_codec(float(fraction)), axis_name, "topk_ef")
+
+
+def ef21(bits: int = 4, block_size: int = 2048,
+         axis_name: AxisName | None = None) -> optax.GradientTransformationExtraArgs:
+  """EF21 (Richtarik et al. 2021): devices send compressed changes of a running estimate.
+
+  Each device keeps g_i (float32, starts at 0), sends c_i = Q(grad_i - g_i) (absmax blocks as in
+  `int_quantized`) and sets g_i += c_i; the output is g += mean_i c_i, kept in the state and the
+  same on every device. With an axis, the c_i travel the wire of `int_quantized`, so g follows
+  mean_i g_i up to the bfloat16 rounding of the gathered means. Create the state inside
+  `jax.shard_map` and declare it with `loco_jax.state_specs`: g_i differs per device. A
+  non-finite gradient (on any device) makes every output NaN and leaves the state unchanged;
+  finite ones give finite outputs and state (differences, sums, means and casts saturate at
+  the largest finite value). Non-float and zero-size leaves pass through; dtypes are kept.
+
+  Example:
+    >>> opt = optax.chain(loco_jax.transforms.baselines.ef21(bits=4), optax.adamw(3e-4))
+    >>> state = opt.init(params)
+    >>> updates, state = opt.update(grads, state, params)
+  """
+  _check_bits(bits)
+  _check_block_size(block_size)
+  codec = baseline_codecs.block_codec(bits, block_size)
+
+  def init_fn(params):
+    return EF21State(_flat_zeros(params), _flat_zeros(params))
+
+  def update_fn(updates, state, params=None, **extra_args):
+    del params, extra_args
+    trees.check_state_matches("ef21", updates, state, jax.eval_shape(init_fn, updates))
+    step = _step(updates)
+    if not step.chosen:
+      return updates, state
+    local, estimate = step.of(state.local), step.of(state.estimate)
+    hs = [quant.saturate(step.flat(i) - local[i]) for i in step.chosen]
+    messages, decoded = baseline_codecs.encode_all(codec, hs, axis_name, "ef21")
+    means, flags = baseline_codecs.average_all(codec, messages, decoded, step.flag, axis_name)
+    new_local, new_estimate = list(local), list(estimate)
+    for i, c, c_mean in zip(step.chosen, decoded, means):
+      new_local[i] = quant.saturate(local[i] + c)
+      new_estimate[i] = quant.saturate(estimate[i] + c_mean)
+    new_local, new_estimate = _keep_if(jnp.isfinite(flags), (new_local, new_estimate),
+                                       (local, estimate))
+    out = step.outputs([new_estimate[i] for i in step.chosen], flags)
+    return out, EF21State(step.treedef.unflatten(new_local), step.treedef.unflatten(new_estimate))
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
