@@ -232,7 +232,8 @@ def summarize_training(results: list[dict], hosts: int, rate: str) -> list[dict]
         "measured_bits_per_param": statistics.mean(r["measured_bits_per_param"] for r in mine),
         "measured_bits_per_host": [r["measured_bits_per_param"] for r in mine],
         "predicted_bits_per_param": first["predicted_bits_per_param"],
-        "predicted_step_s": compute_s + first["predicted_bits_per_param"] * n / bits_per_s}
+        "predicted_step_s": compute_s + first["predicted_bits_per_param"] * n / bits_per_s,
+        "overlapped_collectives": first.get("overlapped_collectives", 0)}
     if method in TABLE_I_BITS:
       record["cost_model_step_s"] = compute_s + bench.comm_seconds(
           *TABLE_I_BITS[method], n, hosts, bits_per_s / 1e9)
@@ -243,7 +244,8 @@ def summarize_training(results: list[dict], hosts: int, rate: str) -> list[dict]
 def format_training_table(records: list[dict]) -> list[str]:
   lines = ["| method | hosts | rate | params | step ms | compute ms | exchange ms (share) | "
            "collectives ms | tokens/s | eval loss | predicted ms | cost model ms | "
-           "bits/param sent (pred.) |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "bits/param sent (pred.) | overlapped |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in records:
     cost = f"{r['cost_model_step_s'] * 1e3:.1f}" if "cost_model_step_s" in r else "-"
     lines.append(
@@ -252,7 +254,8 @@ def format_training_table(records: list[dict]) -> list[str]:
         f"({r['exchange_s'] / r['step_s']:.0%}) | {r['collectives_s'] * 1e3:.1f} | "
         f"{r['tokens_per_s']:.0f} | "
         f"{r['eval_loss']:.4f} | {r['predicted_step_s'] * 1e3:.1f} | {cost} | "
-        f"{r['measured_bits_per_param']:.2f} ({r['predicted_bits_per_param']:.2f}) |")
+        f"{r['measured_bits_per_param']:.2f} ({r['predicted_bits_per_param']:.2f}) | "
+        f"{r['overlapped_collectives']} |")
   return lines
 
 

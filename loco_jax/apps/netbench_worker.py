@@ -13,9 +13,12 @@ import time
 
 # The exchanges netbench measures: a gradient of `n` float32 parameters averaged over the hosts.
 METHODS = ("fp32", "bf16", "loco", "loco-quantized", "int4", "zero2-fp32", "zero2-loco", "co3")
-# End-to-end training (ddp, adamw): the gradient averaged by each; "compute" averages nothing,
-# the same step without the exchange, which splits every method's step into compute + exchange.
-TRAIN_METHODS = ("fp32", "bf16", "loco", "loco-quantized")
+# End-to-end training (adamw): ddp with the gradient averaged by each, then zero2 and fsdp
+# (parallel's modes, the demo GPT split into layers) reduce-scattering it in float32 or with
+# LoCo. "compute" averages nothing: the ddp step without the exchange, which splits every ddp
+# method's step into compute + exchange (for zero2 and fsdp the rest includes their gathers).
+TRAIN_METHODS = ("fp32", "bf16", "loco", "loco-quantized", "zero2-fp32", "zero2-loco",
+                 "fsdp-fp32", "fsdp-loco")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -110,30 +113,57 @@ def _step_without_exchange(loss_fn, optimizer, mesh, specs, jax, P):
   return step
 
 
+def _sharded_model(mode: str, config):
+  """(params, loss_fn for the step, eval_loss(full params, batch), unshard) of the demo GPT cut
+  into embed / stacked blocks / head (`gpt.layered_model`); zero2 takes each layer as its own
+  leaves (`fsdp.unstacked`), so that both modes shard and block the layers alike."""
+  from flax import nnx
+  from loco_jax.apps.models import GPT, GPTConfig, gpt
+  from loco_jax.train import fsdp, parallel
+  gpt_config = GPTConfig(seq_len=config.seq_len, d_model=config.d_model,
+                         n_layers=config.n_layers, n_heads=config.n_heads, d_ff=config.d_ff)
+  model = gpt.layered_model(gpt_config)
+  params = gpt.layered_params(gpt.split_model(GPT(gpt_config, rngs=nnx.Rngs(config.seed)))[1])
+  if mode == "zero2":
+    params, loss_fn = fsdp.unstacked(params, model)
+    return params, loss_fn, loss_fn, parallel.unshard_params
+  return params, model, fsdp.layered_loss(model), fsdp.unshard_params
+
+
 def _train(method: str, config, corpus, mesh, interface: str, jax, jnp, P):
   """Trains the demo GPT with `method` averaging the gradients; this host's record."""
   import numpy as np
   from jax.sharding import NamedSharding
   from loco_jax import comm, loco
   from loco_jax.apps import demo
-  from loco_jax.train import parallel
-  from loco_jax.transforms import baselines
   from loco_jax.apps.models import num_params
-  compressor = {
-      "compute": lambda: None, "fp32": lambda: baselines.uncompressed("data"),
-      "bf16": lambda: baselines.bf16("data"), "loco": lambda: loco(axis_name="data"),
-      "loco-quantized": lambda: loco(axis_name="data", gather="quantized")}[method]()
-  _, params, loss_fn = demo.make_model(config)
+  from loco_jax.train import fsdp, parallel
+  from loco_jax.transforms import baselines
+  mode, _, wire = method.rpartition("-") if method.startswith(("zero2-", "fsdp-")) else (
+      "ddp", "", method)
+  if mode == "ddp":
+    compressor = {
+        "compute": lambda: None, "fp32": lambda: baselines.uncompressed("data"),
+        "bf16": lambda: baselines.bf16("data"), "loco": lambda: loco(axis_name="data"),
+        "loco-quantized": lambda: loco(axis_name="data", gather="quantized")}[wire]()
+    _, params, loss_fn = demo.make_model(config)
+    eval_loss_fn, unshard = loss_fn, None
+  else:
+    compressor = {"fp32": lambda: parallel.reduce_scatter("data"),
+                  "loco": lambda: loco(axis_name="data", scatter=True)}[wire]()
+    params, loss_fn, eval_loss_fn, unshard = _sharded_model(mode, config)
   optimizer = demo.make_optimizer(config)
-  state, specs = parallel.init_train_state(params, optimizer, mesh, compressor=compressor)
+  state, specs = parallel.init_train_state(params, optimizer, mesh, compressor=compressor,
+                                           mode=mode)
   if compressor is None:
     step = _step_without_exchange(loss_fn, optimizer, mesh, specs, jax, P)
   else:
     step = parallel.make_train_step(loss_fn, optimizer, mesh, specs, params,
-                                    compressor=compressor)
+                                    compressor=compressor, mode=mode)
   sharding = NamedSharding(mesh, P("data"))
   batches = [jax.make_array_from_callback(b.shape, sharding, lambda idx, b=b: b[idx])
              for b in corpus.train_SxBxL]
+  compiled_text = step.jitted.lower(state, batches[0]).compile().as_text()
   found = comm.compiled_collectives(step.jitted, state, batches[0])
   n_params = num_params(params)
   times, warm = [], 2
@@ -153,15 +183,22 @@ def _train(method: str, config, corpus, mesh, interface: str, jax, jnp, P):
                                       lambda idx: np.ones(n_dev, np.float32)[idx])
   jax.block_until_ready(replay(ones))
   collectives_s = _median_time(replay, ones, steps=5, jax=jax)
-  local = jax.tree.map(lambda x: x.addressable_data(0), state.params)
-  eval_fn = jax.jit(loss_fn)
+  if unshard is None:
+    local = jax.tree.map(lambda x: x.addressable_data(0), state.params)
+  else:  # the shards of every host, gathered, then put back into the model's shapes
+    gathered = jax.jit(lambda s: s, out_shardings=NamedSharding(mesh, P()))(state.params)
+    local = unshard(jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), gathered),
+                    params)
+  eval_fn = jax.jit(eval_loss_fn)
   eval_loss = float(np.mean([float(eval_fn(local, b)) for b in corpus.eval_KxBxL]))
-  return {"method": method, "step_s": statistics.median(times[warm:]), "final_loss": loss,
+  return {"method": method, "step_s": statistics.median(times), "final_loss": loss,
           "collectives_s": collectives_s,
           "eval_loss": eval_loss, "n_params": n_params,
           "tokens_per_step": int(corpus.train_SxBxL.shape[1] * config.seq_len),
           "measured_bits_per_param": 8 * sent / (timed * n_params),
-          "predicted_bits_per_param": comm.wire_bits_per_param(found, n_params)}
+          "predicted_bits_per_param": comm.wire_bits_per_param(found, n_params),
+          # Async collectives with compute scheduled between start and done (overlap).
+          "overlapped_collectives": sum(fsdp.async_collectives(compiled_text).values())}
 
 
 _DTYPES = {"u8": "uint8", "s8": "int8", "u16": "uint16", "s16": "int16", "bf16": "uint16",
