@@ -123,3 +123,17 @@ def test_a_bad_chunk_size_is_refused(bad, monkeypatch):
   if str(bad) not in ("0",):
     with pytest.raises(ValueError, match=wire.ENV):
       wire.chunk_bytes("cpu", processes=2)
+
+
+@pytest.mark.parametrize("chunk", [None, 100])
+def test_reduce_scatter_sums_each_row_on_its_device(mesh, chunk):
+  # Whole: psum_scatter; in pieces (gloo's path): an all-to-all of the rows and a local sum,
+  # which sends each peer exactly its row. Both against the float64 sum.
+  x = np.random.default_rng(3).standard_normal((N * N, 37)).astype(np.float32)
+  step = jax.jit(jax.shard_map(lambda v: wire.reduce_scatter(v, "data", chunk), mesh=mesh,
+                               in_specs=P("data"), out_specs=P("data")))
+  xs = _on_devices(mesh, x)
+  want = x.astype(np.float64).reshape(N, N, 37).sum(0)
+  np.testing.assert_allclose(np.asarray(step(xs)), want, rtol=1e-5, atol=1e-5)
+  ops = {c.op for c in comm.compiled_collectives(step, xs)}
+  assert ops == ({"reduce-scatter"} if chunk is None else {"all-to-all"})

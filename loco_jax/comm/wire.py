@@ -17,6 +17,10 @@ themselves and in-process CPU devices copy memory, so those run whole. Override 
 (a byte count, or "none"). The pieces are separate collectives in the compiled program, so
 the HLO accounting lists every one and their bytes add up to the unchunked collective's;
 the data only moves (slices and concatenations), so the result is the same, bit for bit.
+
+`reduce_scatter` sums over the devices: where pieces are cut (gloo) it is an all-to-all of the
+rows and a sum here, because gloo's own reduce-scatter (halving-doubling) sends more than each
+peer's row: +8.7% of the bytes on average at 4 hosts, +17% from one of them (docs/NETWORK.md).
 """
 
 import contextlib
@@ -123,3 +127,22 @@ def all_gather(x: jax.Array, axis_name: AxisName, chunk: int | None = None) -> j
             for p in _split(x.reshape(-1), lengths, 0)]
   gathered_NxS = jnp.concatenate(pieces, axis=1)
   return gathered_NxS.reshape(-1, *x.shape[1:])
+
+
+def reduce_scatter(x_NxC: jax.Array, axis_name: AxisName,
+                   chunk: int | None = None) -> jax.Array:
+  """Row j of every device's [N, C] summed, on device j: `jax.lax.psum_scatter(x, axis_name,
+  scatter_dimension=0, tiled=True)` as [1, C] when collectives run whole; where they are cut
+  into pieces (`chunk_bytes()`, gloo) an all-to-all of the rows in pieces, then their sum in
+  device order (the same sum within float rounding), each peer sent exactly its row."""
+  chunk = chunk_bytes() if chunk is None else _check(chunk)
+  if x_NxC.ndim != 2:
+    raise ValueError(f"wire.reduce_scatter takes [devices, columns] rows, got shape "
+                     f"{x_NxC.shape}")
+  if chunk is None:
+    return jax.lax.psum_scatter(x_NxC, axis_name, scatter_dimension=0, tiled=True)
+  received_NxC = all_to_all(x_NxC, axis_name, chunk)
+  total = received_NxC[0]
+  for row in range(1, received_NxC.shape[0]):  # quant.sum_rows: XLA:CPU reduces axis 0 slowly
+    total = total + received_NxC[row]
+  return total[None]
