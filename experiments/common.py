@@ -16,14 +16,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 VARIANT_HELP = """Method variants (names used by compare.py and sweep.py):
   none | bf16                      float32 / bfloat16 all-reduce
-  noef<b>                          <b>-bit absmax blocks, no feedback (noef4 = demo int4-noef)
-  ef<b>                            classic EF, float32 error (ef4 = demo ef4)
+  noef<b>[-rms<c>][-B<n>]          <b>-bit absmax blocks, no feedback (noef4 = demo int4-noef)
+  ef<b>[-rms<c>][-B<n>]            classic EF, float32 error (ef4 = demo ef4); -rms<c>: loco's
+                                   clipped-rms block scale at c x rms; -B: block size
   ef21-<b> | sign | topk<pct>      EF21, 1-bit sign with EF, top-k with EF (topk1 = 1%)
-  loco<b>[-b<beta>][-e<bits>|-efp32][-fixed][-q]
-                                   LoCo at <b> bits; -b: beta (default 0.8); -e: error bits
-                                   (default 8); -efp32: float32 error (this file's
-                                   fp32_error_loco); -fixed: the demo's fixed scale; -q: the
-                                   all-gather re-quantized (gather="quantized")
+  loco<b>[-paper][-rms<c>][-B<n>][-b<beta>][-e<bits>|-efp32][-fixed][-q]
+                                   LoCo at <b> bits from loco(bits=<b>)'s defaults (clipped-rms
+                                   blocks of 256 at 2 and 3 bits; loco.defaults_for);
+                                   -paper: the paper's recipe instead (absmax blocks of the
+                                   demo's 2048, what loco<b> meant before those defaults);
+                                   -rms<c>: top code at c x the block's rms; -B: block size;
+                                   -b: beta (default 0.8); -e: error bits (default 8); -efp32:
+                                   float32 error (this file's fp32_error_loco); -fixed: the
+                                   demo's fixed scale; -q: the all-gather re-quantized
   co3-fp4 | co3-fp8                CO3, once loco_jax.co3 exists"""
 
 
@@ -48,17 +53,27 @@ def setup(devices: int, platform: str = "cpu", cache_dir: str | None = None) -> 
 
 # --- LoCo with a float32 error (not in the library: an ablation of its int8 storage) ------------
 
-def fp32_error_loco(bits: int, beta: float, block_size: int = 2048, axis_name: str = "data"):
+def fp32_error_loco(bits: int, beta: float, block_size: int = 2048, axis_name: str = "data",
+                    scale_method: str = "absmax", clip_rms: float | None = None):
   """LoCo's update e' = beta e + (1 - beta)(h - d) with e kept in float32, on LoCo's wire (the
   `bits`-bit all-to-all of `baselines.int_quantized`); no periodic reset."""
   from loco_jax.transforms import baseline_codecs, baselines
-  return baselines._feedback(baseline_codecs.block_codec(bits, block_size), axis_name,
-                             "fp32_error_loco", beta=beta)
+  return baselines._feedback(baseline_codecs.block_codec(bits, block_size, scale_method,
+                                                         clip_rms),
+                             axis_name, "fp32_error_loco", beta=beta)
 
 
 # --- Variants -------------------------------------------------------------------------------------
 
-_LOCO = re.compile(r"loco(\d)((?:-b[\d.]+|-e\d|-efp32|-fixed|-q)*)$")
+_LOCO = re.compile(r"loco(\d)((?:-paper|-rms[\d.]+|-B\d+|-b[\d.]+|-e\d|-efp32|-fixed|-q)*)$")
+_BLOCKS = r"((?:-rms[\d.]+|-B\d+)*)"
+
+
+def _scaling(opts: str, block_size: int) -> dict:
+  """block_size, scale_method and clip_rms of a baseline's -rms<c> and -B<n> options."""
+  rms, block = re.search(r"-rms([\d.]+)", opts), re.search(r"-B(\d+)", opts)
+  return dict(block_size=int(block[1]) if block else block_size,
+              scale_method="rms" if rms else "absmax", clip_rms=float(rms[1]) if rms else None)
 
 
 def make_variant(name: str, config, axis_name: str = "data"):
@@ -72,10 +87,10 @@ def make_variant(name: str, config, axis_name: str = "data"):
   if name == "co3-fp8":
     import importlib
     return importlib.import_module("loco_jax.transforms.co3").co3(fmt="fp8", axis_name=axis_name)
-  if m := re.fullmatch(r"noef(\d)", name):
-    return baselines.int_quantized(int(m[1]), b, axis_name)
-  if m := re.fullmatch(r"ef(\d)", name):
-    return baselines.error_feedback(int(m[1]), b, axis_name)
+  if m := re.fullmatch(r"noef(\d)" + _BLOCKS, name):
+    return baselines.int_quantized(int(m[1]), axis_name=axis_name, **_scaling(m[2], b))
+  if m := re.fullmatch(r"ef(\d)" + _BLOCKS, name):
+    return baselines.error_feedback(int(m[1]), axis_name=axis_name, **_scaling(m[2], b))
   if m := re.fullmatch(r"ef21-(\d)", name):
     return baselines.ef21(int(m[1]), b, axis_name)
   if name == "sign":
@@ -83,15 +98,22 @@ def make_variant(name: str, config, axis_name: str = "data"):
   if m := re.fullmatch(r"topk([\d.]+)", name):
     return baselines.topk_ef(float(m[1]) / 100, axis_name)
   if m := _LOCO.fullmatch(name):
+    from loco_jax.transforms import loco as loco_module
     bits, opts = int(m[1]), m[2]
+    paper = "-paper" in opts or bits not in loco_module.BIT_WIDTH_DEFAULTS
+    base = loco_module.defaults_for(bits)
+    scaling = _scaling(opts, b if paper else base["block_size"])
+    if not paper and "-rms" not in opts:
+      scaling.update(scale_method=base["scale_method"], clip_rms=base["clip_rms"])
     beta = float(re.search(r"-b([\d.]+)", opts)[1]) if "-b" in opts else 0.8
     if "-efp32" in opts:
-      return fp32_error_loco(bits, beta, b, axis_name)
+      return fp32_error_loco(bits, beta, axis_name=axis_name, **scaling)
     error_bits = int(re.search(r"-e(\d)", opts)[1]) if re.search(r"-e\d", opts) else 8
-    kwargs = dict(bits=bits, beta=beta, error_bits=error_bits, block_size=b,
-                  axis_name=axis_name, gather="quantized" if "-q" in opts else "bf16")
+    kwargs = dict(bits=bits, beta=beta, error_bits=error_bits, axis_name=axis_name,
+                  gather="quantized" if "-q" in opts else "bf16", **scaling)
     if "-fixed" in opts:
-      kwargs.update(scale=config.fixed_scale, error_scale=4 * config.fixed_scale)
+      kwargs.update(scale=config.fixed_scale, error_scale=4 * config.fixed_scale,
+                    scale_method=None, clip_rms=None)
     return loco(**kwargs)
   raise ValueError(f"unknown variant {name!r}\n{VARIANT_HELP}")
 

@@ -22,14 +22,17 @@ import numpy as np
 import common
 
 # group -> [(config overrides, variants)]; `none` at the same overrides is the reference.
+# At 2 and 3 bits these groups study the paper's recipe (absmax blocks of 2048): `-paper`, what
+# loco2 and loco3 meant before loco's low-bit defaults (experiments/lowbit.py compares both).
 GROUPS = {
     "defaults": [({}, ["none", "noef4", "ef4", "loco4"])],
     "lr": [({"lr": lr}, ["none", "noef4", "ef4", "loco4"]) for lr in (1e-3, 2e-3, 4e-3)],
-    "bits": [({}, ["none"] + [f"{v}{b}" for b in (2, 3, 4) for v in ("noef", "ef", "loco")])],
-    "beta": [({}, ["none", "loco4-b0", "loco4-b0.5", "loco4", "loco4-b0.9", "loco2-b0",
-                   "loco2"])],
+    "bits": [({}, ["none"] + [f"{v}{b}" for b in (2, 3, 4) for v in ("noef", "ef", "loco")
+                              ] + ["loco2-paper", "loco3-paper"])],
+    "beta": [({}, ["none", "loco4-b0", "loco4-b0.5", "loco4", "loco4-b0.9", "loco2-paper-b0",
+                   "loco2-paper"])],
     "error": [({}, ["none", "ef4", "loco4-b0", "loco4-efp32", "loco4", "loco4-e4", "ef2",
-                    "loco2-b0", "loco2-efp32", "loco2"])],
+                    "loco2-paper-b0", "loco2-paper-efp32", "loco2-paper"])],
     "steps": [({"steps": s}, ["none", "noef4", "ef4", "loco4"]) for s in (200, 400, 800)],
 }
 

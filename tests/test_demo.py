@@ -135,7 +135,7 @@ def test_methods_and_co3_hook():
   else:
     assert "co3-fp4" not in demo.available_methods()
   with pytest.raises(ValueError, match="unknown method"):
-    demo.make_compressor("loco3")
+    demo.make_compressor("loco5")
 
 
 # --- Flags and --out are checked before jax starts; outputs are replaced as one set -------------

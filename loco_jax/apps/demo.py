@@ -19,7 +19,10 @@ import numpy as np
 from loco_jax.apps import demo_output
 from loco_jax.train import files
 
-METHODS = ("none", "bf16", "int4-noef", "ef4", "loco4", "loco4-fixed", "co3-fp4")
+METHODS = ("none", "bf16", "int4-noef", "ef4", "loco4", "loco4-fixed", "co3-fp4", "ef2", "ef3",
+           "loco2", "loco3")
+# Without --methods the demo runs these (the 2- and 3-bit methods are asked for by name).
+DEFAULT_METHODS = METHODS[:7]
 DESCRIPTIONS = {
     "none": "float32 all-reduce (uncompressed)",
     "bf16": "bfloat16 all-reduce",
@@ -28,6 +31,12 @@ DESCRIPTIONS = {
     "loco4": "LoCo: 4-bit blocks, 8-bit error averaged with beta=0.8, reset every 1024",
     "loco4-fixed": "LoCo with the paper's one fixed scale s (default 2**17) and s_e = 4s",
     "co3-fp4": "CO3: fp4 with a GenNorm-fitted scale, Huffman, error decay gamma=0.7",
+    "ef2": "2-bit absmax blocks, classic error feedback (beta=0, float32 error)",
+    "ef3": "3-bit absmax blocks, classic error feedback (beta=0, float32 error)",
+    "loco2": "LoCo at 2 bits with loco(bits=2)'s defaults: blocks of 128 scaled to 1.5 x rms "
+             "(clipped), 8-bit error, beta=0.8",
+    "loco3": "LoCo at 3 bits with loco(bits=3)'s defaults: blocks of 256 scaled to 3 x rms "
+             "(clipped), 8-bit error, beta=0.8",
 }
 RESULT_KEYS = ("method", "final_loss", "eval_loss", "gradient_bits_per_param",
                "wire_bits_per_param", "step_time_s")
@@ -50,7 +59,7 @@ class DemoConfig:
   lr: float = 2e-3
   warmup: int = 20
   seed: int = 0
-  block_size: int = 2048
+  block_size: int = 2048  # ef2-ef4, int4-noef, loco4 (loco2, loco3: their width's default)
   fixed_scale: float = 2.0 ** 17
   eval_batches: int = 16
   corpus_bytes: int = 4_000_000
@@ -124,8 +133,10 @@ def make_compressor(method: str, config: DemoConfig = DemoConfig(),
     return baselines.bf16(axis_name)
   if method == "int4-noef":
     return baselines.int_quantized(4, b, axis_name)
-  if method == "ef4":
-    return baselines.error_feedback(4, b, axis_name)
+  if method in ("ef2", "ef3", "ef4"):
+    return baselines.error_feedback(int(method[2]), b, axis_name)
+  if method in ("loco2", "loco3"):  # the width's own defaults (block size included)
+    return loco(bits=int(method[4]), axis_name=axis_name)
   if method == "loco4":
     return loco(bits=4, block_size=b, axis_name=axis_name)
   if method == "loco4-fixed":
@@ -371,7 +382,8 @@ def parser() -> argparse.ArgumentParser:
                   "loss and bits on the wire. Methods: " +
                   "; ".join(f"{m}: {DESCRIPTIONS[m]}" for m in METHODS) + ".")
   p.add_argument("--methods", default=None,
-                 help=f"comma-separated subset of {','.join(METHODS)} (default: all available)")
+                 help=f"comma-separated subset of {','.join(METHODS)} (default: the available ones "
+                      f"of {','.join(DEFAULT_METHODS)})")
   p.add_argument("--steps", type=_positive_int, default=d.steps, help="train steps per method")
   p.add_argument("--devices", type=_bounded_int(
       1, MAX_DEVICES, f"an integer in 1..{MAX_DEVICES} (simulated CPU devices)"),
@@ -412,7 +424,7 @@ def _choose_methods(text: str | None) -> tuple[list[str], dict[str, str]]:
   why = co3_status()
   unavailable = {"co3-fp4": why} if why else {}
   if text is None:
-    return [m for m in METHODS if m not in unavailable], unavailable
+    return [m for m in DEFAULT_METHODS if m not in unavailable], unavailable
   chosen = [m.strip() for m in text.split(",") if m.strip()]
   unknown = [m for m in chosen if m not in METHODS]
   if unknown or not chosen:

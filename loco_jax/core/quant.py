@@ -118,6 +118,69 @@ def absmax_scale(x_blocks: jax.Array, bits: int) -> jax.Array:
   return jnp.where(usable, scale, 0.0).astype(jnp.float32)
 
 
+SCALE_METHODS = ("absmax", "rms")
+
+
+def check_scale_method(scale_method: str, clip_rms) -> None:
+  """ValueError unless `scale_method` is one of SCALE_METHODS and `clip_rms` fits it: a finite
+  float > 0 with "rms", None with "absmax"."""
+  if scale_method not in SCALE_METHODS:
+    raise ValueError(f"scale_method must be one of {SCALE_METHODS}, got {scale_method!r}")
+  if scale_method == "absmax" and clip_rms is not None:
+    raise ValueError(f"clip_rms={clip_rms!r} applies to scale_method='rms' only (absmax "
+                     f"scales clip nothing); pass one or the other")
+  if scale_method == "rms" and (isinstance(clip_rms, bool) or not isinstance(
+      clip_rms, (int, float, np.integer, np.floating)) or not np.isfinite(clip_rms)
+      or clip_rms <= 0):
+    raise ValueError(f"scale_method='rms' needs clip_rms, a finite float > 0 (the top code sits "
+                     f"at clip_rms x the block's rms), got {clip_rms!r}")
+
+
+def unit_factors(absmax: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(f, r) with (x * f) * r = x / absmax, every factor a normal float32: f = 2**-64 above 2**64
+  (exact), else 1, and r = 1 / (absmax * f). A plain 1 / absmax is subnormal above 8.5e37, and
+  XLA:CPU flushes it to 0 (it also rewrites x / absmax as x * (1 / absmax))."""
+  big = absmax > np.float32(2.0 ** 64)
+  f = jnp.where(big, np.float32(2.0 ** -64), np.float32(1.0))
+  return f, 1.0 / (absmax * f)
+
+
+def clip_range(absmax: jax.Array, mean_square: jax.Array, clip_rms: float) -> jax.Array:
+  """min(clip_rms x rms, absmax), rms from `mean_square`, the mean of (x / absmax)**2: the
+  range the top code covers under scale_method="rms" (values beyond it clip; never beyond the
+  block's max). Computed on x / absmax so that x**2 cannot overflow."""
+  ratio = jnp.minimum(np.float32(clip_rms) * jnp.sqrt(mean_square), 1.0)
+  return absmax * ratio
+
+
+def rms_scale(x_blocks: jax.Array, bits: int, clip_rms: float) -> jax.Array:
+  """Per-block scale qmax / min(clip_rms x rms, max|x|) over the last axis: the top code at
+  clip_rms times the block's rms, values beyond it clipped (error feedback carries them);
+  at least `TINY`, 0 for zero, vanishing or non-finite blocks (as `absmax_scale`).
+
+  Example:
+    >>> x = jnp.array([[1.0, -1.0, 1.0, -8.0]])   # rms 4.09: the top code (1) at 6.14
+    >>> round(float(rms_scale(x, 2, 1.5)[0]), 4)
+    0.1629
+  """
+  absmax = jnp.max(jnp.abs(x_blocks), axis=-1)
+  usable = (absmax > VANISHING) & jnp.isfinite(absmax)
+  safe = jnp.where(usable, absmax, 1.0)
+  f, r = unit_factors(safe[..., None])
+  mean_square = jnp.mean(jnp.square((x_blocks * f) * r), axis=-1)
+  qmax = max(int_range(bits)[1], 1)
+  scale = jnp.maximum(qmax / clip_range(safe, mean_square, clip_rms), TINY)
+  return jnp.where(usable, scale, 0.0).astype(jnp.float32)
+
+
+def block_scale(x_blocks: jax.Array, bits: int, scale_method: str = "absmax",
+                clip_rms: float | None = None) -> jax.Array:
+  """`absmax_scale` or `rms_scale` by `scale_method` (SCALE_METHODS)."""
+  if scale_method == "rms":
+    return rms_scale(x_blocks, bits, clip_rms)
+  return absmax_scale(x_blocks, bits)
+
+
 def pack(q: jax.Array, bits: int) -> jax.Array:
   """Packs signed `bits`-bit integers (last axis a multiple of 8) into uint8, losslessly.
 

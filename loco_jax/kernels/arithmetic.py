@@ -73,8 +73,26 @@ def _fixed_or_absmax(fixed, absmax: jax.Array, bits: int) -> jax.Array:
   return jnp.full_like(absmax, fixed)
 
 
+def _payload_scale(fixed, planes: list[jax.Array], absmax: jax.Array, bits: int,
+                   scale_method: str, clip_rms) -> jax.Array:
+  """The payload's scales [rows, 1]: fixed, absmax, or quant.rms_scale's qmax / min(clip_rms x
+  rms, absmax) (the mean square taken of x / absmax: no overflow)."""
+  if fixed is not None or scale_method == "absmax":
+    return _fixed_or_absmax(fixed, absmax, bits)
+  usable = (absmax > quant.VANISHING) & jnp.isfinite(absmax)
+  safe = jnp.where(usable, absmax, 1.0)
+  f, r = quant.unit_factors(safe)
+  total = functools.reduce(jnp.add, [jnp.sum(jnp.square((x * f) * r), axis=-1, keepdims=True)
+                                     for x in planes])
+  length = sum(x.shape[-1] for x in planes)
+  scale = np.float32(max(quant.int_range(bits)[1], 1)) / quant.clip_range(
+      safe, total * np.float32(1.0 / length), clip_rms)
+  return jnp.where(usable, jnp.maximum(scale, quant.TINY), 0.0)
+
+
 def step_planes(g: list[jax.Array], error: list[jax.Array], error_scale: jax.Array, bits: int,
-          error_bits: int, beta, fixed_scale, fixed_error_scale, with_decompressed: bool):
+          error_bits: int, beta, fixed_scale, fixed_error_scale, with_decompressed: bool,
+          scale_method: str = "absmax", clip_rms: float | None = None):
   """LoCo's step on the planes of whole scale blocks ([rows, width] each; scales [rows, 1]).
 
   Returns the codes q (integer-valued float32 planes), the scales, the new error codes (planes),
@@ -88,7 +106,7 @@ def step_planes(g: list[jax.Array], error: list[jax.Array], error_scale: jax.Arr
   # A non-finite g marks its block with inf: the block's max keeps it (XLA:CPU's max drops NaN).
   h = [jnp.where(jnp.isfinite(gi), sat(gi + ei), jnp.inf) for gi, ei in zip(g, e)]
   absmax = _max_abs(h)
-  scale = _fixed_or_absmax(fixed_scale, absmax, bits)
+  scale = _payload_scale(fixed_scale, h, absmax, bits, scale_method, clip_rms)
   sent, step = scale > 0, _reciprocal(scale)
   q = [_quantize(x, scale, bits) for x in h]
   d = [jnp.where(sent, sat(qi * step), 0.0) for qi in q]
@@ -108,16 +126,17 @@ def is_constant(x) -> bool:
 
 
 def _compress_whole(g_BxL, error_BxL, error_scale_B, bits, error_bits, beta, fixed_scale,
-                    fixed_error_scale, with_decompressed):
+                    fixed_error_scale, with_decompressed, scale_method, clip_rms):
   q, scale, new_error, new_scale, finite, d = step_planes(
       [g_BxL], [error_BxL], error_scale_B[:, None], bits, error_bits, beta, fixed_scale,
-      fixed_error_scale, with_decompressed)
+      fixed_error_scale, with_decompressed, scale_method, clip_rms)
   return (quant.pack(q[0].astype(jnp.int8), bits), scale[:, 0], new_error[0].astype(jnp.int8),
           new_scale[:, 0], jnp.all(finite), d[0] if with_decompressed else None)
 
 
 def compress_jnp(g_BxL, error_BxL, error_scale_B, bits, error_bits, beta, fixed_scale,
-                  fixed_error_scale, with_decompressed, backend):
+                  fixed_error_scale, with_decompressed, backend, scale_method="absmax",
+                  clip_rms=None):
   """The XLA formulation. XLA:CPU materializes every reduction's input (h, then the residual),
   so on CPU the step runs tile by tile (about `CPU_TILE_BLOCKS` blocks of 2048) and those
   passes stay in cache; elsewhere XLA fuses the reductions into their producers and takes the
@@ -126,7 +145,8 @@ def compress_jnp(g_BxL, error_BxL, error_scale_B, bits, error_bits, beta, fixed_
   tile = min(blocks, max(1, CPU_TILE_BLOCKS * 2048 // block_size))
   step = functools.partial(_compress_whole, bits=bits, error_bits=error_bits, beta=beta,
                            fixed_scale=fixed_scale, fixed_error_scale=fixed_error_scale,
-                           with_decompressed=with_decompressed)
+                           with_decompressed=with_decompressed, scale_method=scale_method,
+                           clip_rms=clip_rms)
   if backend != "cpu" or tile == blocks:
     out = step(g_BxL, error_BxL, error_scale_B)
   else:

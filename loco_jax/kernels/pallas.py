@@ -17,13 +17,14 @@ except ImportError:  # pragma: no cover - a jax without Pallas runs the jnp path
 
 
 def _compress_kernel(g_ref, e_ref, es_ref, packed_ref, scale_ref, new_e_ref, new_es_ref,
-                     finite_ref, *d_ref, bits, error_bits, beta, fixed_scale, fixed_error_scale):
+                     finite_ref, *d_ref, bits, error_bits, beta, fixed_scale, fixed_error_scale,
+                     scale_method="absmax", clip_rms=None):
   """Planes are the `8 // bits` column ranges that share a byte (quant.pack's layout)."""
   width = g_ref.shape[1] * bits // 8
   planes = [pl.ds(t * width, width) for t in range(8 // bits)]
   q, scale, new_error, new_scale, finite, d = step_planes(
       [g_ref[:, p] for p in planes], [e_ref[:, p] for p in planes], es_ref[...], bits,
-      error_bits, beta, fixed_scale, fixed_error_scale, bool(d_ref))
+      error_bits, beta, fixed_scale, fixed_error_scale, bool(d_ref), scale_method, clip_rms)
   qmin = quant.int_range(bits)[0]
   word = None
   for t, p in enumerate(planes):
@@ -95,7 +96,7 @@ def _out_shape(shape: tuple, dtype, like: jax.Array) -> jax.ShapeDtypeStruct:
 
 def compress_pallas(g_BxL, error_BxL, error_scale_B, bits, error_bits, beta, fixed_scale,
                      fixed_error_scale, with_decompressed, backend, interpret, tile_blocks,
-                     num_warps):
+                     num_warps, scale_method="absmax", clip_rms=None):
   blocks, block_size = g_BxL.shape
   interpret, params, tile_blocks = _pallas_settings(backend, interpret, tile_blocks, num_warps,
                                                     block_size)
@@ -108,7 +109,8 @@ def compress_pallas(g_BxL, error_BxL, error_scale_B, bits, error_bits, beta, fix
             ((blocks, 1), jnp.int32)] + ([((blocks, block_size), jnp.float32)]
                                          if with_decompressed else [])
   kernel = functools.partial(_compress_kernel, bits=bits, error_bits=error_bits, beta=beta,
-                             fixed_scale=fixed_scale, fixed_error_scale=fixed_error_scale)
+                             fixed_scale=fixed_scale, fixed_error_scale=fixed_error_scale,
+                             scale_method=scale_method, clip_rms=clip_rms)
   outs = pl.pallas_call(
       kernel, out_shape=[_out_shape(s, t, g_BxL) for s, t in shapes], grid=(blocks // tile,),
       in_specs=[rows(block_size), rows(block_size), rows(1)],

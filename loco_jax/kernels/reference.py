@@ -34,6 +34,17 @@ def absmax_scale(x_BxL: np.ndarray, bits: int) -> np.ndarray:
   return np.where(usable, np.maximum(qmax / np.where(usable, absmax, 1.0), quant.TINY), 0.0)
 
 
+def rms_scale(x_BxL: np.ndarray, bits: int, clip_rms: float) -> np.ndarray:
+  """[blocks, 1] float64 qmax / min(clip_rms x rms, max|x|) (0 for zero or vanishing blocks),
+  as quant.rms_scale."""
+  absmax = np.abs(x_BxL).max(axis=1, keepdims=True)
+  usable = absmax > quant.VANISHING
+  rms = np.sqrt(np.mean(np.square(x_BxL), axis=1, keepdims=True))
+  clip = np.minimum(clip_rms * rms, absmax)
+  qmax = max(2 ** (bits - 1) - 1, 1)
+  return np.where(usable, np.maximum(qmax / np.where(usable, clip, 1.0), quant.TINY), 0.0)
+
+
 def decompress(q: np.ndarray, s: np.ndarray) -> np.ndarray:
   return np.where(s > 0, q / np.where(s > 0, s, 1.0), 0.0)
 
@@ -52,14 +63,17 @@ def _codes_off(got: np.ndarray, x: np.ndarray, bits: int, tol: np.ndarray) -> in
 def check_step(g, error, error_scale, out_codes, out_scales, out_error, out_error_scale,
                out_decompressed=None, *, bits: int, error_bits: int, beta: float,
                reset: bool = False, fixed_scale: float | None = None,
-               fixed_error_scale: float | None = None) -> StepCheck:
+               fixed_error_scale: float | None = None, scale_method: str = "absmax",
+               clip_rms: float | None = None) -> StepCheck:
   """Checks one LoCo step of an implementation against DESIGN.md's step in float64.
 
   Inputs are per block ([blocks, block_len]; scales [blocks]): the gradient, the stored error
   codes and scales the implementation started from, and what it produced (payload codes as
   integers, scales, new error codes and scales, optionally d). The residual is computed from
   the implementation's own codes, so that a code rounded the other way on a boundary is judged
-  once, not again through the error.
+  once, not again through the error. With scale_method="rms" the payload scale is
+  `rms_scale`'s: its float32 sum of squares may be off by (block_len) roundings (the scale is
+  held to that), and the codes are judged against the implementation's own scale.
   Example:
     >>> g = np.linspace(-1, 1, 16).reshape(2, 8)
     >>> s = 7 / np.abs(g).max(1)
@@ -76,11 +90,19 @@ def check_step(g, error, error_scale, out_codes, out_scales, out_error, out_erro
   se = column(error_scale, fixed_error_scale) * (0.0 if reset else 1.0)
   e = decompress(codes, se)
   h = g + e
-  s = absmax_scale(h, bits) if fixed_scale is None else column(None, fixed_scale)
   s_got = column(out_scales, fixed_scale)
-  scales_off = int(np.sum(np.abs(s_got - s) > ULP * s))
+  if fixed_scale is not None:
+    s = column(None, fixed_scale)
+  elif scale_method == "rms":
+    s = rms_scale(h, bits, clip_rms)
+  else:
+    s = absmax_scale(h, bits)
+  # A float32 sum of L squares is within L roundings of the float64 one (half of it in the
+  # rms); absmax is one value of h, off by float32 rounding only.
+  scale_tol = ULP * (1 + g.shape[1] * 2.0 ** -3 if scale_method == "rms" else 1)
+  scales_off = int(np.sum(np.abs(s_got - s) > scale_tol * s))
   q = f64(out_codes)
-  x = s * h
+  x = (s_got if scale_method == "rms" else s) * h
   codes_off = _codes_off(q, x, bits, ULP * (np.abs(x) + 1))
   values_off = 0
   d = decompress(q, s_got)

@@ -45,7 +45,8 @@ def _check_data(blocks: int, block_size: int, seed: int) -> np.ndarray:
 def implementation_report(implementation: str, backend: str, bits: int = 4,
                           error_bits: int = 8, beta: float = 0.8, block_size: int = 2048,
                           tile_blocks: int | None = None, num_warps: int | None = None,
-                          interpret: bool | None = None) -> str:
+                          interpret: bool | None = None, scale_method: str = "absmax",
+                          clip_rms: float | None = None) -> str:
   """"pass" if `implementation` runs here and its steps and receive-side mean agree with the
   float64 reference (`reference.check_step`, `reference.mean_off`) within float32 rounding,
   else "fail: ..." (what was off) or "error: ..." (why it did not run).
@@ -71,13 +72,15 @@ def implementation_report(implementation: str, backend: str, bits: int = 4,
     for k in range(3):
       g = _check_data(blocks, block_size, k)
       step = functools.partial(compress_step, error_bits=error_bits, beta=beta, reset=k == 2,
-                               block_size=block_size, decompressed=True, **options)
+                               block_size=block_size, decompressed=True,
+                               scale_method=scale_method, clip_rms=clip_rms, **options)
       out = Compressed(*[np.asarray(x) for x in run(step, g.reshape(-1), error, error_scale)])
       codes = np.asarray(quant.unpack(out.packed, bits))
       found = reference.check_step(
           g, error.reshape(blocks, -1), error_scale, codes, out.scales,
           out.error.reshape(blocks, -1), out.error_scale, out.decompressed.reshape(blocks, -1),
-          bits=bits, error_bits=error_bits, beta=beta, reset=k == 2)
+          bits=bits, error_bits=error_bits, beta=beta, reset=k == 2, scale_method=scale_method,
+          clip_rms=clip_rms)
       problems += [f"step {k}: {found}"] if not found.passed else []
       problems += [f"step {k}: finite=False on finite data"] if not out.finite else []
       payloads.append((out.packed.reshape(-1), out.scales, codes))
@@ -93,7 +96,8 @@ def implementation_report(implementation: str, backend: str, bits: int = 4,
 
 def pallas_report(backend: str, bits: int = 4, error_bits: int = 8, beta: float = 0.8,
                   block_size: int = 2048, tile_blocks: int | None = None,
-                  num_warps: int | None = None, interpret: bool | None = None) -> str:
+                  num_warps: int | None = None, interpret: bool | None = None,
+                  scale_method: str = "absmax", clip_rms: float | None = None) -> str:
   """`implementation_report` of the Pallas kernels: "pass" where `auto` may pick them.
 
   Example:
@@ -101,12 +105,12 @@ def pallas_report(backend: str, bits: int = 4, error_bits: int = 8, beta: float 
     "error: asked about 'gpu', but this process runs on 'cpu'"
   """
   return implementation_report("pallas", backend, bits, error_bits, beta, block_size,
-                               tile_blocks, num_warps, interpret)
+                               tile_blocks, num_warps, interpret, scale_method, clip_rms)
 
 
 def _resolve(implementation: str, bits: int, error_bits: int, beta, block_size: int,
              tile_blocks, num_warps, interpret, peers: int = 1,
-             fixed=(None, None)) -> tuple[str, str]:
+             fixed=(None, None), scaling=("absmax", None)) -> tuple[str, str]:
   """("jnp" | "pallas", backend) for a call with these settings (`peers` shards)."""
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
@@ -120,23 +124,26 @@ def _resolve(implementation: str, bits: int, error_bits: int, beta, block_size: 
     return "pallas", backend
   if why_not or backend not in ("gpu", "tpu") or interpret:
     return "jnp", backend  # on CPU Pallas only interprets: slower than XLA
-  # One check per (bits, error_bits, beta): it runs with absmax scales and blocks of 2048 (a
-  # fixed scale only replaces a computed value by a constant; the tests cover other blocks).
+  # One check per (bits, error_bits, beta, scaling): it runs with computed block scales and
+  # blocks of 2048 (a fixed scale only replaces a computed value by a constant; the tests cover
+  # other blocks).
   passed = pallas_report(backend, bits, error_bits, float(beta), 2048, tile_blocks,
-                         num_warps) == "pass"
+                         num_warps, None, *scaling) == "pass"
   return ("pallas" if passed else "jnp"), backend
 
 
 def chosen_implementation(bits: int = 4, error_bits: int = 8, beta: float = 0.8,
                           block_size: int = 2048, tile_blocks: int | None = None,
-                          num_warps: int | None = None) -> str:
+                          num_warps: int | None = None, scale_method: str = "absmax",
+                          clip_rms: float | None = None) -> str:
   """What `implementation="auto"` runs on the current backend: "pallas" or "jnp".
 
   Example:
     >>> chosen_implementation()   # on CPU
     'jnp'
   """
-  return _resolve("auto", bits, error_bits, beta, block_size, tile_blocks, num_warps, None)[0]
+  return _resolve("auto", bits, error_bits, beta, block_size, tile_blocks, num_warps, None,
+                  scaling=(scale_method, clip_rms))[0]
 
 
 # --- Public API ----------------------------------------------------------------------------
@@ -171,11 +178,13 @@ def compress_step(g: jax.Array, error: jax.Array, error_scale: jax.Array | None,
                   decompressed: bool = False, fixed_scale: float | None = None,
                   fixed_error_scale: float | None = None, implementation: str = "auto",
                   tile_blocks: int | None = None, num_warps: int | None = None,
-                  interpret: bool | None = None) -> Compressed:
+                  interpret: bool | None = None, scale_method: str = "absmax",
+                  clip_rms: float | None = None) -> Compressed:
   """LoCo's step on a flat vector whose size is a multiple of block_size.
 
   What `loco()` runs on each bucket: e = error / error_scale (0 if `reset`), h = g + e,
-  q = compress(h; s) with s = qmax / max|h| per block (or `fixed_scale`), d = q / s,
+  q = compress(h; s) with s = qmax / max|h| per block (or `fixed_scale`; with
+  scale_method="rms", s = qmax / min(clip_rms x rms(h), max|h|): `quant.rms_scale`), d = q / s,
   error' = compress(beta e + (1 - beta)(h - d); per-block absmax (or `fixed_error_scale`),
   error_bits). The Pallas kernel reads g (4 B) and the error (1 B) once and writes the payload
   (bits / 8 B) and the new error (1 B): 6.5 B an element at 4 bits (plus 4 B with
@@ -196,8 +205,13 @@ def compress_step(g: jax.Array, error: jax.Array, error_scale: jax.Array | None,
   """
   blocks = _check_compress(g.size, error, error_scale, fixed_error_scale, bits, error_bits,
                            block_size)
+  quant.check_scale_method(scale_method, clip_rms)
+  if fixed_scale is not None and scale_method != "absmax":
+    raise ValueError(f"scale_method={scale_method!r} computes block scales; a fixed_scale "
+                     f"replaces them: pass one or the other")
   name, backend = _resolve(implementation, bits, error_bits, beta, block_size, tile_blocks,
-                           num_warps, interpret, fixed=(fixed_scale, fixed_error_scale))
+                           num_warps, interpret, fixed=(fixed_scale, fixed_error_scale),
+                           scaling=(scale_method, clip_rms))
   g_BxL = g.reshape(blocks, block_size).astype(jnp.float32)
   error_BxL = error.reshape(blocks, block_size)
   stored = (jnp.full((blocks,), fixed_error_scale, jnp.float32) if error_scale is None
@@ -206,10 +220,11 @@ def compress_step(g: jax.Array, error: jax.Array, error_scale: jax.Array | None,
   stored = jnp.where(reset, 0.0, stored)
   args = (g_BxL, error_BxL, stored, bits, error_bits, beta, fixed_scale, fixed_error_scale,
           decompressed, backend)
+  scaling = dict(scale_method=scale_method, clip_rms=clip_rms)
   if name == "jnp":
-    out = compress_jnp(*args)
+    out = compress_jnp(*args, **scaling)
   else:
-    out = compress_pallas(*args, interpret, tile_blocks, num_warps)
+    out = compress_pallas(*args, interpret, tile_blocks, num_warps, **scaling)
   return Compressed(*out)
 
 

@@ -1,64 +1,37 @@
-"""Meshes, multi-host start-up, and DDP / ZeRO-2 train steps under `jax.shard_map`."""
+"""DDP / ZeRO-2 train steps under `jax.shard_map`, manual over the data axes only.
 
-import os
+Parameters split over other mesh axes (a (data, model) mesh; `NamedSharding` over 'model') keep
+that sharding: GSPMD runs the model over them, and the compressor runs in a nested shard_map
+over them, so each device compresses and sends its own model shard (train/sharding.py).
+Meshes and the multi-host start-up live in train/mesh.py and are re-exported here.
+"""
+
 from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from loco_jax import comm
+from loco_jax.comm import wire
 from loco_jax.core import quant, trees
-from loco_jax.train import masks
-from loco_jax.transforms.loco import state_specs
+from loco_jax.train import masks, sharding
+from loco_jax.train.mesh import (AxisNames, axes_size, data_axes, data_mesh, initialize,
+                                 node_mesh)
+from loco_jax.train.sharding import opt_state_specs, shard_params, unshard_params
+
+__all__ = ["MODES", "PARAM_GATHERS", "TrainState", "data_mesh", "node_mesh", "initialize",
+           "init_opt_state", "opt_state_specs", "shard_params", "unshard_params",
+           "init_train_state", "make_train_step", "reduce_scatter"]
 
 MODES = ("ddp", "zero2", "fsdp")
 PARAM_GATHERS = ("compute", "int8")
 
 
-def data_mesh(num_devices: int | None = None, axis_name: str = "data") -> Mesh:
-  """A 1-D mesh of the first `num_devices` devices (all by default) with Auto axis types."""
-  available = jax.device_count()
-  num_devices = available if num_devices is None else num_devices  # 0 is an error, not "all"
-  if not 1 <= num_devices <= available:
-    raise ValueError(f"num_devices must be in 1..{available} (devices present), got "
-                     f"{num_devices}")
-  return jax.make_mesh((num_devices,), (axis_name,), axis_types=(AxisType.Auto,),
-                       devices=jax.devices()[:num_devices])
-
-
-def node_mesh(nodes: int, local: int, axis_names: tuple[str, str] = ("node", "local")) -> Mesh:
-  """A 2-D (node, local) mesh of nodes * local devices, for `hierarchical.two_hop`."""
-  if nodes < 1 or local < 1 or nodes * local > jax.device_count():
-    raise ValueError(f"nodes * local must be in 1..{jax.device_count()} (devices present), "
-                     f"got {nodes} x {local}")
-  return jax.make_mesh((nodes, local), axis_names, axis_types=(AxisType.Auto,) * 2,
-                       devices=jax.devices()[: nodes * local])
-
-
-def _check_axis(mesh: Mesh, axis_name: str) -> None:
-  if axis_name not in mesh.axis_names:
-    raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh; its axes are "
-                     f"{tuple(mesh.axis_names)}")
-
-
-def opt_state_specs(optimizer: optax.GradientTransformation, params, mesh: Mesh,
-                    axis_name: str | tuple[str, ...]):
-  """PartitionSpecs of `optimizer.init(params)` inside shard_map: LoCo errors per device."""
-  names = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
-  for name in names:
-    _check_axis(mesh, name)
-  init = lambda _: optimizer.init(params)
-  for name in reversed(names):  # bind every axis so that init can ask for its size
-    init = jax.vmap(init, axis_name=name, axis_size=mesh.shape[name])
-  shapes = jax.eval_shape(init, jnp.zeros([mesh.shape[name] for name in names]))
-  return state_specs(shapes, axis_name)
-
-
 def init_opt_state(optimizer: optax.GradientTransformation, params, mesh: Mesh,
-                   axis_name: str | tuple[str, ...] = "data"):
+                   axis_name: AxisNames = "data"):
   """Runs `optimizer.init` on every device of the mesh; returns the state and its specs.
 
   Example:
@@ -72,89 +45,18 @@ def init_opt_state(optimizer: optax.GradientTransformation, params, mesh: Mesh,
   return init(params), specs
 
 
-def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
-               process_id: int | None = None, local_device_ids=None,
-               cpu_collectives: str = "gloo", *, gloo_hostname: str | None = None,
-               gloo_interface: str | None = None, **kwargs) -> None:
-  """Joins a multi-host job: `jax.distributed.initialize` with explicit arguments or, where they
-  are None, the usual environment (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID;
-  on TPU pods, Slurm and Open MPI jax finds them itself). Call it before anything else touches
-  jax devices. On CPU it selects `cpu_collectives` ("gloo") so that collectives cross processes.
-
-  Gloo binds to the address this machine's hostname resolves to; on a multi-homed host pass
-  `gloo_hostname` (this host's address on the training network, e.g. "10.0.0.2") or
-  `gloo_interface` (e.g. "eth1") to bind it there instead (or the environment's
-  LOCO_JAX_GLOO_HOSTNAME / LOCO_JAX_GLOO_INTERFACE). jax itself does not pass these on to
-  jaxlib's `make_gloo_tcp_collectives`, so this registers a CPU backend factory that does; it
-  must run before the CPU backend exists (a RuntimeError says so otherwise).
-
-  Example:
-    >>> initialize("10.0.0.1:1234", num_processes=2, process_id=0,  # doctest: +SKIP
-    ...            gloo_hostname="10.0.0.1")   # joins a 2-process job: not run as a doctest
-  """
-  env = os.environ
-  coordinator_address = coordinator_address or env.get("JAX_COORDINATOR_ADDRESS")
-  if num_processes is None and "JAX_NUM_PROCESSES" in env:
-    num_processes = int(env["JAX_NUM_PROCESSES"])
-  if process_id is None and "JAX_PROCESS_ID" in env:
-    process_id = int(env["JAX_PROCESS_ID"])
-  if num_processes is not None and num_processes < 1:
-    raise ValueError(f"num_processes must be >= 1, got {num_processes}")
-  if process_id is not None and num_processes is not None and not 0 <= process_id < num_processes:
-    raise ValueError(f"process_id must be in 0..{num_processes - 1}, got {process_id}")
-  gloo_hostname = gloo_hostname or env.get("LOCO_JAX_GLOO_HOSTNAME") or None
-  gloo_interface = gloo_interface or env.get("LOCO_JAX_GLOO_INTERFACE") or None
-  if (gloo_hostname or gloo_interface) and cpu_collectives != "gloo":
-    raise ValueError(f"gloo_hostname / gloo_interface bind gloo's collectives; they need "
-                     f"cpu_collectives='gloo', got {cpu_collectives!r}")
-  if cpu_collectives:
-    jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
-  if gloo_hostname or gloo_interface:
-    _bind_gloo(gloo_hostname, gloo_interface)
-  jax.distributed.initialize(coordinator_address, num_processes, process_id,
-                             local_device_ids=local_device_ids, **kwargs)
-
-
-def _bind_gloo(hostname: str | None, interface: str | None) -> None:
-  """Replaces jax's CPU backend factory with one that binds gloo to `hostname` / `interface`.
-
-  jax 0.10's `xla_bridge.make_cpu_client` builds gloo collectives without an address; it also
-  accepts ready-made `collectives`, which keeps every other CPU client option jax sets.
-  """
-  from jax._src import distributed, xla_bridge  # the factory jax registers for "cpu"
-  from jax._src.lib import _jax
-  from jax.extend.backend import register_backend_factory
-
-  def make_cpu_client():
-    client = distributed.global_state.client
-    if client is None:  # single process: nothing to bind, jax's own path
-      return xla_bridge.make_cpu_client()
-    return xla_bridge.make_cpu_client(collectives=_jax.make_gloo_tcp_collectives(
-        distributed_client=client, hostname=hostname, interface=interface))
-
-  try:
-    register_backend_factory("cpu", make_cpu_client, priority=0, fail_quietly=False)
-  except RuntimeError as e:
-    raise RuntimeError("parallel.initialize(gloo_hostname=/gloo_interface=) must run before "
-                       f"the CPU backend is created (before any jax.devices() call): {e}") from None
-
-
 class TrainState(NamedTuple):
-  """params: full (ddp) or this device's float32 master shard of each leaf (zero2, and fsdp:
-  an fsdp.Layered whose stacked leaves hold one shard a layer)."""
+  """params: as placed (ddp) or this device's float32 master shard of each leaf, of its own
+  model block on a mesh with model axes (zero2; fsdp: an fsdp.Layered whose stacked leaves
+  hold one shard a layer)."""
   params: Any
   compressor_state: Any
   opt_state: Any
   step: jax.Array
 
 
-def _shard_specs_of(shapes, axis_name):
-  """zero2 optimizer state: every array with an axis lives on shards; scalars are replicated."""
-  return jax.tree.map(lambda x: P(axis_name) if x.ndim else P(), shapes)
-
-
 def _shapes_of(params):
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), params)
+  return sharding.shapes_of(params)
 
 
 def _local_shard_shapes(params, num_shards):
@@ -162,87 +64,143 @@ def _local_shard_shapes(params, num_shards):
       lambda x: jax.ShapeDtypeStruct((comm.shard_len(x.size, num_shards),), jnp.float32), params)
 
 
-def shard_params(params, mesh: Mesh, axis_name: str = "data"):
-  """Full params -> float32 master shards per leaf: a global [N * shard_len] array split on the axis."""
-  _check_axis(mesh, axis_name)
-  n = mesh.shape[axis_name]
-  def shard(x):
-    flat = comm.shard_rows(jnp.ravel(x).astype(jnp.float32),
-                           comm.leaf_layout(x.size, n, None)).reshape(-1)
-    return jax.device_put(flat, NamedSharding(mesh, P(axis_name)))
-  return jax.tree.map(shard, params)
+class _Axes(NamedTuple):
+  """A train step's axes: averaged over by hand (data) or left to GSPMD (model)."""
+  data: tuple[str, ...]
+  model: tuple[str, ...]
+  name: str | tuple[str, ...]   # the data axes as one collective's axis_name
+  n: int                        # devices along the data axes
 
 
-def unshard_params(shards, like):
-  """Inverse of `shard_params` (on global arrays): the full leaves, shaped and typed like `like`."""
-  return jax.tree.map(lambda s, x: s[: x.size].reshape(x.shape).astype(x.dtype), shards, like)
+def _axes(mesh: Mesh, axis_name: AxisNames, mode: str, compressor) -> _Axes:
+  if mode not in MODES:
+    raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+  data = data_axes(mesh, axis_name)
+  model = sharding.model_axes(mesh, data)
+  if mode == "fsdp" and (model or len(data) > 1):
+    raise ValueError(f"mode='fsdp' runs on a mesh of one data axis (parallel.data_mesh); this "
+                     f"mesh has axes {tuple(mesh.axis_names)} and axis_name={axis_name!r}: use "
+                     f"mode='zero2' (or 'ddp') on a mesh with model axes or several data axes")
+  if mode in ("zero2", "fsdp") and compressor is None:
+    raise ValueError(f"mode={mode!r} needs a compressor with reduce-scatter semantics, e.g. "
+                     "loco(axis_name='data', scatter=True) or parallel.reduce_scatter('data')")
+  if mode == "ddp" and compressor is None and model:
+    raise ValueError(f"on a mesh with model axes {model}, pass the averaging transformation as "
+                     f"compressor= (e.g. compressor=loco(axis_name={axis_name!r})) and the rest "
+                     f"as the optimizer: the compressor runs on each device's own model shard, "
+                     f"the optimizer on the averaged gradient under GSPMD")
+  return _Axes(data, model, data[0] if len(data) == 1 else data, axes_size(mesh, data))
+
+
+def _param_specs(params, mesh: Mesh, axes: _Axes, axis_name: AxisNames):
+  """The params' specs; a ValueError for a model axis that splits none of them, along which
+  every device would repeat the same work on the same batch."""
+  specs = sharding.param_specs(params, mesh, axes.data)
+  used = {a for s in jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
+          for a in sharding.spec_axes(s)}
+  idle = [a for a in axes.model if a not in used and mesh.shape[a] > 1]
+  if idle:
+    averaged = tuple(a for a in mesh.axis_names if a in axes.data or a in idle)
+    raise ValueError(f"mesh axis {idle[0]!r} is not in axis_name={axis_name!r} and splits no "
+                     f"param, so every device along it would repeat the same work: average over "
+                     f"it too (axis_name={averaged!r}) or split params over it "
+                     f"(NamedSharding(mesh, P(None, {idle[0]!r})))")
+  return specs
+
+
+def _over_data(fn, mesh: Mesh, axes: _Axes, in_specs, out_specs):
+  """shard_map manual over the data axes; the model axes stay with GSPMD."""
+  return jax.shard_map(fn, mesh=mesh, in_specs=sharding.restrict(in_specs, axes.data),
+                       out_specs=sharding.restrict(out_specs, axes.data),
+                       axis_names=set(axes.data))
+
+
+def _over_model(fn, axes: _Axes, in_specs, out_specs):
+  """Nested shard_map manual over the model axes too: `fn` sees each device's own blocks.
+
+  The leaf core (core/leaves.py) sees there which leaves vary over the model axes: it
+  compresses split and replicated leaves apart and makes their shards keep or skip a step
+  together (a 4-byte flag over the model axes), so the outputs type-check against the specs.
+  """
+  if not axes.model:
+    return fn
+  return jax.shard_map(fn, in_specs=sharding.restrict(in_specs, axes.model),
+                       out_specs=sharding.restrict(out_specs, axes.model),
+                       axis_names=set(axes.model))
+
+
+def _named(mesh: Mesh, specs):
+  return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
 
 
 def init_train_state(params, optimizer: optax.GradientTransformation, mesh: Mesh, *,
                      compressor: optax.GradientTransformation | None = None,
-                     mode: str = "ddp", axis_name: str = "data"):
-  """A TrainState on the mesh and its PartitionSpecs.
+                     mode: str = "ddp", axis_name: AxisNames = "data"):
+  """A TrainState on the mesh and its PartitionSpecs (full specs on the mesh).
 
-  ddp: params replicated, `optimizer` state replicated (but for per-device error fields).
+  `axis_name`: the data axes the gradient is averaged over (a tuple for two_hop's
+  ("node", "local")); every other mesh axis is a model axis, left to the params' own
+  `NamedSharding`s (e.g. P(None, "model")), which they keep.
+  ddp: params as given, `optimizer` state split like them (but for per-device error fields).
+  On a mesh with model axes the compressor's per-device state is split over the data axes and
+  the leaf's model axes: each device compresses its own model shard.
   fsdp: `params` is an `fsdp.Layered`; as zero2, with one compressor state per layer (fsdp.py).
-  zero2: params become float32 master shards and the optimizer state lives on those shards,
-  about 1/N of ddp's per device; `compressor` (e.g. `loco(axis_name=..., scatter=True)`) keeps
-  its per-device errors of the full gradient. Callable masks in `optimizer` (adamw's `mask`,
-  `optax.masked`, multi_transform labels) see the full-shaped params, as in ddp
-  (`masks.evaluate_on_full_shapes`).
+  zero2: params become float32 master shards (of each device's model block) and the optimizer
+  state lives on those shards, about 1/N of ddp's per device; `compressor` (e.g.
+  `loco(axis_name=..., scatter=True)`) keeps its per-device errors of the full gradient.
+  Callable masks in `optimizer` (adamw's `mask`, `optax.masked`, multi_transform labels) see
+  the full-shaped params, as in ddp (`masks.evaluate_on_full_shapes`).
   """
-  if mode not in MODES:
-    raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-  _check_axis(mesh, axis_name)
-  if mode in ("zero2", "fsdp") and compressor is None:
-    raise ValueError(f"mode={mode!r} needs a compressor with reduce-scatter semantics, e.g. "
-                     "loco(axis_name='data', scatter=True) or parallel.reduce_scatter('data')")
+  axes = _axes(mesh, axis_name, mode, compressor)
   if mode == "fsdp":  # params: fsdp.Layered(embed, blocks, head); see loco_jax/fsdp.py
     from loco_jax.train import fsdp
     return fsdp.init_train_state(params, optimizer, mesh, compressor, axis_name)
-  n = mesh.shape[axis_name]
   compressor = compressor or optax.identity()
-  comp_specs = opt_state_specs(compressor, params, mesh, axis_name)
+  pspecs = _param_specs(params, mesh, axes, axis_name)
+  comp_specs = sharding.local_state_specs(compressor.init, params, pspecs, mesh, axes.data)
+  full = jax.device_put(params, _named(mesh, pspecs))
   if mode == "ddp":
-    opt_specs = opt_state_specs(optimizer, params, mesh, axis_name)
-    param_specs = jax.tree.map(lambda _: P(), params)
-    placed = jax.device_put(params, NamedSharding(mesh, P()))
-    opt_init = optimizer.init
+    opt_specs = sharding.global_state_specs(optimizer, params, pspecs, mesh, axes.data)
+    param_specs, placed = pspecs, full
+    opt_init = optimizer.init  # under GSPMD over the model axes
   else:
     masks.evaluate_on_full_shapes(optimizer)
     like = _shapes_of(params)
-    with masks.full_shapes(like):
-      opt_specs = _shard_specs_of(
-          jax.eval_shape(optimizer.init, _local_shard_shapes(params, n)), axis_name)
-    param_specs = jax.tree.map(lambda _: P(axis_name), params)
-    placed = shard_params(params, mesh, axis_name)
 
-    def opt_init(shards):
+    def shard_init(shards):
       with masks.full_shapes(like):
         return optimizer.init(shards)
+    blocks = sharding.local_shapes(like, pspecs, mesh)
+    opt_specs = sharding.local_state_specs(shard_init, _local_shard_shapes(blocks, axes.n),
+                                           pspecs, mesh, axes.data, on_shards=True)
+    param_specs = sharding.master_specs(pspecs, mesh, axes.data)
+    placed = shard_params(params, mesh, axis_name)
+    opt_init = _over_model(shard_init, axes, (param_specs,), opt_specs)
   specs = TrainState(param_specs, comp_specs, opt_specs, P())
-  full = jax.device_put(params, NamedSharding(mesh, P()))
+  comp_init = _over_model(compressor.init, axes, (pspecs,), comp_specs)
 
   def init(full_params, placed_params):
-    return TrainState(placed_params, compressor.init(full_params), opt_init(placed_params),
+    return TrainState(placed_params, comp_init(full_params), opt_init(placed_params),
                       jnp.zeros([], jnp.int32))
 
-  state = jax.jit(jax.shard_map(init, mesh=mesh, in_specs=(P(), param_specs),
-                                out_specs=specs))(full, placed)
+  state = jax.jit(_over_data(init, mesh, axes, (pspecs, param_specs), specs),
+                  out_shardings=_named(mesh, specs))(full, placed)
   return state, specs
 
 
-def reduce_scatter(axis_name: str = "data") -> optax.GradientTransformation:
+def reduce_scatter(axis_name: AxisNames = "data") -> optax.GradientTransformation:
   """Plain ZeRO-2 gradient averaging: a float32 reduce-scatter per leaf -> this device's shard.
 
-  The uncompressed comparator of `loco(axis_name=..., scatter=True)`; same shard layout.
+  The uncompressed comparator of `loco(axis_name=..., scatter=True)`; same shard layout. Its
+  reduce-scatter is `wire.reduce_scatter` (on gloo an all-to-all and a local sum: gloo's own
+  algorithm sends more than each peer's row).
   """
   def update_fn(updates, state, params=None):
     del params
     n = comm.axis_size(axis_name, "reduce_scatter")
     def shard(g):
       rows = comm.shard_rows(g.reshape(-1).astype(jnp.float32), comm.leaf_layout(g.size, n, None))
-      return jax.lax.psum_scatter(rows, axis_name, scatter_dimension=0, tiled=True).reshape(-1) / n
+      return wire.reduce_scatter(rows, axis_name).reshape(-1) / n
     return jax.tree.map(shard, updates), state
   return optax.GradientTransformation(lambda _: optax.EmptyState(), update_fn)
 
@@ -273,11 +231,15 @@ def _gather_params(shards, like, axis_name: str, compute_dtype, how: str, block_
 def make_train_step(loss_fn: Callable[[Any, Any], jax.Array],
                     optimizer: optax.GradientTransformation, mesh: Mesh, specs: TrainState,
                     params_like, *, compressor: optax.GradientTransformation | None = None,
-                    mode: str = "ddp", axis_name: str = "data", compute_dtype=jnp.float32,
-                    param_gather: str = "compute", block_size: int | None = None):
+                    mode: str = "ddp", axis_name: AxisNames = "data",
+                    compute_dtype=jnp.float32, param_gather: str = "compute",
+                    block_size: int | None = None):
   """A jitted `step(state, batch) -> (state, mean loss)` for `loss_fn(params, batch)`.
 
-  The batch's leading axis is split over `axis_name`. ddp: `compressor` (or, when None, the
+  The batch's leading axis is split over the data axes `axis_name` (one axis or a tuple, as in
+  `init_train_state`); `loss_fn` runs under GSPMD over the other (model) axes, on params split
+  as `params_like`'s `NamedSharding`s say, and the compressor runs on each device's own model
+  shard. ddp: `compressor` (or, when None, the
   optimizer itself, e.g. `optax.chain(loco(axis_name=...), optax.adamw(...))`) must average the
   gradients over the axis. zero2: every device gathers the parameters in `compute_dtype` from
   the float32 master shards (`param_gather="int8"`: int8 with absmax blocks of `block_size`,
@@ -313,11 +275,8 @@ def make_train_step(loss_fn: Callable[[Any, Any], jax.Array],
   if not jnp.issubdtype(compute_dtype, jnp.floating):
     raise ValueError(f"compute_dtype must be a float dtype (e.g. jnp.bfloat16), got "
                      f"{compute_dtype!r}")
-  _check_axis(mesh, axis_name)
-  if mode == "fsdp" and compressor is None:
-    raise ValueError("mode='fsdp' needs a compressor with reduce-scatter semantics, e.g. "
-                     "loco(axis_name='data', scatter=True) or parallel.reduce_scatter('data')")
-  n = mesh.shape[axis_name]
+  axes = _axes(mesh, axis_name, mode, compressor)
+  n = axes.n
   compressor = compressor or optax.identity()
   like = _shapes_of(params_like)
   if mode in ("zero2", "fsdp"):
@@ -325,6 +284,30 @@ def make_train_step(loss_fn: Callable[[Any, Any], jax.Array],
   zero2_hint = (" mode='zero2' needs a compressor that returns this device's shard of each leaf "
                 "(reduce-scatter semantics), e.g. loco(axis_name=..., scatter=True) or "
                 "parallel.reduce_scatter(...)." if mode == "zero2" else "")
+  if mode != "fsdp":
+    pspecs = _param_specs(params_like, mesh, axes, axis_name)
+    blocks = sharding.local_shapes(like, pspecs, mesh)
+    expected = pspecs if mode == "ddp" else sharding.master_specs(pspecs, mesh, axes.data)
+    if axes.model and not sharding.same_specs(specs.params, expected):
+      raise ValueError(f"specs.params {specs.params} are not those of params_like's shardings "
+                       f"({expected}): pass as params_like the params given to "
+                       f"init_train_state, placed with the same NamedShardings")
+
+  def compress(grads, comp_state, params):
+    return compressor.update(grads, comp_state, params)
+
+  def gather(shards):  # zero2: this device's model blocks from the master shards
+    trees.check_same_shapes(shards, _local_shard_shapes(blocks, n),
+                            "state.params (master shards)", "params_like's shards")
+    return _gather_params(shards, blocks, axes.name, compute_dtype, param_gather, block_size)
+
+  def update_shards(grads, comp_state, shards, opt_state, params):  # zero2, on own blocks
+    grads, comp_state = compress(grads, comp_state, params)
+    trees.check_same_shapes(grads, shards, "the compressor's output",
+                            "state.params (master shards)", zero2_hint)
+    with masks.full_shapes(like):
+      updates, opt_state = optimizer.update(grads, opt_state, shards)
+    return optax.apply_updates(shards, updates), comp_state, opt_state
 
   def local_step(state: TrainState, batch):
     if mode == "ddp":
@@ -333,31 +316,34 @@ def make_train_step(loss_fn: Callable[[Any, Any], jax.Array],
           lambda x: x.astype(compute_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
           state.params)
     else:
-      trees.check_same_shapes(state.params, _local_shard_shapes(like, n),
-                              "state.params (master shards)", "params_like's shards")
-      params = _gather_params(state.params, like, axis_name, compute_dtype, param_gather,
-                              block_size)
+      params = _over_model(gather, axes, (specs.params,), pspecs)(state.params)
     # Replicated params would make jax.grad psum the gradient in full precision (the transpose
     # of the implicit broadcast); marked varying, each device keeps its own gradient.
-    params = jax.lax.pcast(params, axis_name, to="varying")
-    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-    grads, comp_state = compressor.update(grads, state.compressor_state, params)
-    trees.check_same_shapes(grads, state.params, "the compressor's output",
-                            "state.params" + (" (master shards)" if mode == "zero2" else ""),
-                            zero2_hint)
-    with masks.full_shapes(like if mode == "zero2" else None):
+    params = jax.lax.pcast(params, axes.name, to="varying")
+    loss, grads = jax.value_and_grad(loss_fn)(params, batch)  # GSPMD over the model axes
+    if mode == "ddp":
+      grads, comp_state = _over_model(compress, axes, (pspecs, specs.compressor_state, pspecs),
+                                      (pspecs, specs.compressor_state))(
+                                          grads, state.compressor_state, params)
+      trees.check_same_shapes(grads, state.params, "the compressor's output", "state.params")
       updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-    new_params = optax.apply_updates(state.params, updates)
+      new_params = optax.apply_updates(state.params, updates)
+    else:
+      new_params, comp_state, opt_state = _over_model(
+          update_shards, axes,
+          (pspecs, specs.compressor_state, specs.params, specs.opt_state, pspecs),
+          (specs.params, specs.compressor_state, specs.opt_state))(
+              grads, state.compressor_state, state.params, state.opt_state, params)
     return (TrainState(new_params, comp_state, opt_state, state.step + 1),
-            jax.lax.pmean(loss, axis_name))
+            jax.lax.pmean(loss, axes.name))
 
   if mode == "fsdp":  # loss_fn: an fsdp.LayeredModel; params_like: an fsdp.Layered
     from loco_jax.train import fsdp
     sharded = fsdp.sharded_step(loss_fn, optimizer, mesh, specs, params_like, compressor,
                                 axis_name, compute_dtype, param_gather, block_size)
   else:
-    sharded = jax.jit(jax.shard_map(local_step, mesh=mesh, in_specs=(specs, P(axis_name)),
-                                    out_specs=(specs, P())), donate_argnums=0)
+    sharded = jax.jit(_over_data(local_step, mesh, axes, (specs, P(axes.name)), (specs, P())),
+                      donate_argnums=0, out_shardings=(_named(mesh, specs), _named(mesh, P())))
 
   def step(state: TrainState, batch):
     for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:

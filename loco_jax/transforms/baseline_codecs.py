@@ -11,7 +11,7 @@ from loco_jax import comm
 from loco_jax.comm import exchange
 from loco_jax.comm import AxisName, Payload
 from loco_jax.core import quant
-from loco_jax.transforms.loco import _dequantize_blocks, _quantize_blocks
+from loco_jax.core.feedback import dequantize_blocks, quantize_blocks
 
 
 class Codec(NamedTuple):
@@ -22,12 +22,14 @@ class Codec(NamedTuple):
   average: Callable[[list, jax.Array, AxisName], tuple[list[jax.Array], jax.Array]]
 
 
-def block_codec(bits: int, block_size: int) -> Codec:
-  """Absmax block quantization to `bits`; LoCo's all-to-all of packed codes, then a bf16 gather."""
+def block_codec(bits: int, block_size: int, scale_method: str = "absmax",
+                clip_rms: float | None = None) -> Codec:
+  """Block quantization to `bits` (absmax or clipped-rms scales, `quant.block_scale`); LoCo's
+  all-to-all of packed codes, then a bf16 gather."""
   def encode(h, rows):
     layout = comm.leaf_layout(h.size, rows, block_size)
-    payload = _quantize_blocks(h, layout, bits, None)
-    return (payload, layout), _dequantize_blocks(payload, layout, None)
+    payload = quantize_blocks(h, layout, bits, None, scale_method, clip_rms)
+    return (payload, layout), dequantize_blocks(payload, layout, None)
 
   def average(messages, flag, axis_name):
     payloads, layouts = zip(*messages)

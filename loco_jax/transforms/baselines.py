@@ -8,10 +8,10 @@ import numpy as np
 import optax
 
 from loco_jax import comm
-from loco_jax.core import quant, trees
-from loco_jax.transforms import baseline_codecs
 from loco_jax.comm import AxisName
-from loco_jax.transforms.loco import _compressible, _keep_if, loco
+from loco_jax.core import leaves, quant, trees
+from loco_jax.transforms import baseline_codecs
+from loco_jax.transforms.loco import loco
 
 _HINT = " (under optax.inject_hyperparams pass it in static_args)"
 
@@ -40,6 +40,13 @@ def _check_bits(bits: int) -> None:
     raise ValueError(str(e) + _HINT) from None
 
 
+def _check_scale_method(scale_method: str, clip_rms) -> None:
+  try:
+    quant.check_scale_method(scale_method, clip_rms)
+  except ValueError as e:
+    raise ValueError(str(e) + _HINT) from None
+
+
 def _check_block_size(block_size: int) -> None:
   if (isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer))
       or block_size <= 0):
@@ -58,41 +65,26 @@ def _check_fraction(fraction: float) -> None:
 
 # --- One update's leaves ------------------------------------------------------------------------
 
-class _Step(NamedTuple):
-  """An update's leaves: `chosen` are the float, non-empty ones; `flag` is 0, or NaN if one of
-  them is not finite (added to every output, so that a bad step is NaN everywhere)."""
-  leaves: list
-  treedef: Any
-  chosen: list[int]
-  flag: jax.Array
-
-  def flat(self, i: int) -> jax.Array:
-    return self.leaves[i].reshape(-1).astype(jnp.float32)
-
-  def of(self, tree: Any) -> list:
-    return self.treedef.flatten_up_to(tree)
-
-  def outputs(self, values: list[jax.Array], flags: jax.Array) -> Any:
-    """Flat float32 values of the chosen leaves (+ flags) -> the update, in the leaves' dtypes."""
-    out = list(self.leaves)
-    for i, v in zip(self.chosen, values):
-      out[i] = quant.saturating_cast((v + flags).reshape(self.leaves[i].shape),
-                                     self.leaves[i].dtype)
-    return self.treedef.unflatten(out)
-
-
-def _step(updates: Any) -> _Step:
-  leaves, treedef = jax.tree.flatten(updates)
-  chosen = [i for i, g in enumerate(leaves) if _compressible(g)]
-  finite = jnp.bool_(True)
-  for i in chosen:
-    finite &= jnp.all(jnp.isfinite(leaves[i]))
-  return _Step(leaves, treedef, chosen, jnp.where(finite, 0.0, jnp.nan).astype(jnp.float32))
-
-
 def _flat_zeros(params: Any) -> Any:
   return jax.tree.map(
-      lambda x: jnp.zeros((x.size if _compressible(x) else 0,), jnp.float32), params)
+      lambda x: jnp.zeros((x.size if leaves.compressible(x) else 0,), jnp.float32), params)
+
+
+def _by_group(parts: leaves.Leaves, exchange, fields: list[list]) -> tuple[list, list, jax.Array]:
+  """Runs `exchange(indices, grads, flag, fields)` -> (values, new fields, flags) on each group
+  of leaves (one group unless some are sharded over a model axis and others not); returns the
+  values and new fields per leaf and the flags every shard agrees on."""
+  values, new, flags = [None] * len(parts.leaves), [list(f) for f in fields], jnp.float32(0)
+  for group in parts.groups:
+    group_values, group_new, group_flags = exchange(
+        group, [parts.flat(i) for i in group], leaves.flag(parts.finite(group)),
+        [[f[i] for i in group] for f in fields])
+    for j, i in enumerate(group):
+      values[i] = group_values[j]
+      for f, g in zip(new, group_new):
+        f[i] = g[j]
+    flags = flags + group_flags
+  return values, new, parts.agree(flags)
 
 
 # --- The transformations ------------------------------------------------------------------------
@@ -104,11 +96,12 @@ def _saturating_cast_keeping_inf(x: jax.Array, dtype) -> jax.Array:
 
 def _all_reduce(wire_dtype, axis_name: AxisName | None,
                 who: str) -> optax.GradientTransformationExtraArgs:
+  # Elementwise and a pmean: model-sharded leaves need no local view (nothing is flattened).
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
-    leaves, treedef = jax.tree.flatten(updates)
-    chosen = [i for i, g in enumerate(leaves) if _compressible(g)]
-    wire = [_saturating_cast_keeping_inf(leaves[i], wire_dtype) for i in chosen]
+    grads, treedef = jax.tree.flatten(updates)
+    chosen = [i for i, g in enumerate(grads) if leaves.compressible(g)]
+    wire = [_saturating_cast_keeping_inf(grads[i], wire_dtype) for i in chosen]
     if axis_name is not None and wire:
       # The sum inside a mean overflows for finite gradients near the maximum; the mean of
       # x / 2**k (2**k >= n) cannot, and times 2**k it is the same number (powers of two: exact).
@@ -118,9 +111,9 @@ def _all_reduce(wire_dtype, axis_name: AxisName | None,
       wire = (comm.mean_16bit(wire, axis_name) if wire[0].dtype == jnp.bfloat16
               else jax.lax.pmean(wire, axis_name))
       wire = [x * jnp.asarray(1 / down, x.dtype) for x in wire]
-    out = list(leaves)
+    out = list(grads)
     for i, x in zip(chosen, wire):
-      out[i] = _saturating_cast_keeping_inf(x, leaves[i].dtype)
+      out[i] = _saturating_cast_keeping_inf(x, grads[i].dtype)
     return treedef.unflatten(out), state
 
   return optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update_fn)
@@ -163,7 +156,9 @@ def bf16(axis_name: AxisName | None = None) -> optax.GradientTransformationExtra
 
 
 def int_quantized(bits: int = 4, block_size: int = 2048,
-                  axis_name: AxisName | None = None) -> optax.GradientTransformationExtraArgs:
+                  axis_name: AxisName | None = None,
+                  specs: Any = None, scale_method: str = "absmax",
+                  clip_rms: float | None = None) -> optax.GradientTransformationExtraArgs:
   """Absmax block quantization to `bits` without error feedback (like ZeRO++ qgZ).
 
   The leaves are cut into blocks of at most `block_size` elements as `loco`'s buckets cut them,
@@ -173,7 +168,8 @@ def int_quantized(bits: int = 4, block_size: int = 2048,
   bfloat16 all-gather (bits + 16 bits a parameter). A non-finite gradient (on any device) makes
   every output NaN; finite ones give finite outputs (q / s, the mean and the casts saturate at
   the largest finite value, as in `loco`). Non-float and zero-size leaves pass through; dtypes
-  are kept.
+  are kept. `scale_method="rms"` with `clip_rms` uses loco's clipped-rms block scale instead
+  (`quant.rms_scale`); the default stays absmax at every width (the classic comparator).
 
   Example:
     >>> opt = optax.chain(loco_jax.transforms.baselines.int_quantized(bits=4), optax.adamw(3e-4))
@@ -182,9 +178,11 @@ def int_quantized(bits: int = 4, block_size: int = 2048,
   """
   _check_bits(bits)
   _check_block_size(block_size)
+  _check_scale_method(scale_method, clip_rms)
   # loco with beta = 1 and an error that starts at 0 every step: the same blocks (buckets), the
   # same kernels and wire, and no state to keep.
-  inner = loco(bits, beta=1.0, block_size=block_size, axis_name=axis_name)
+  inner = loco(bits, beta=1.0, error_bits=8, block_size=block_size, axis_name=axis_name,
+               specs=specs, scale_method=scale_method, clip_rms=clip_rms)
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
@@ -195,39 +193,49 @@ def int_quantized(bits: int = 4, block_size: int = 2048,
 
 
 def _feedback(codec: baseline_codecs.Codec, axis_name: AxisName | None, who: str,
-              beta: float = 0.0) -> optax.GradientTransformationExtraArgs:
+              beta: float = 0.0, specs: Any = None) -> optax.GradientTransformationExtraArgs:
   """Classic error feedback around `codec`: h = g + e, send C(h), e' = h - d (float32); with
   `beta`, LoCo's moving average e' = beta e + (1 - beta)(h - d) (an experiments' ablation)."""
   def init_fn(params):
     return ErrorFeedbackState(_flat_zeros(params))
 
-  def update_fn(updates, state, params=None, **extra_args):
-    del params, extra_args
-    trees.check_state_matches(who, updates, state, jax.eval_shape(init_fn, updates))
-    step = _step(updates)
-    if not step.chosen:
-      return updates, state
-    errors = step.of(state.error)
-    hs = [quant.saturate(step.flat(i) + errors[i]) for i in step.chosen]  # finite, never inf
+  def exchange(group, grads, flag, fields):
+    errors, = fields
+    hs = [quant.saturate(g + e) for g, e in zip(grads, errors)]  # finite, never inf
     messages, decoded = baseline_codecs.encode_all(codec, hs, axis_name, who)
-    means, flags = baseline_codecs.average_all(codec, messages, decoded, step.flag, axis_name)
-    new_errors = list(errors)
-    for i, h, d in zip(step.chosen, hs, decoded):
-      new_errors[i] = (h - d if beta == 0  # h and d share their sign: no overflow
-                       else quant.saturate(beta * errors[i] + (1.0 - beta) * (h - d)))
-    new_errors = _keep_if(jnp.isfinite(flags), new_errors, errors)
-    return step.outputs(means, flags), ErrorFeedbackState(step.treedef.unflatten(new_errors))
+    means, flags = baseline_codecs.average_all(codec, messages, decoded, flag, axis_name)
+    new_errors = [h - d if beta == 0  # h and d share their sign: no overflow
+                  else quant.saturate(beta * e + (1.0 - beta) * (h - d))
+                  for h, d, e in zip(hs, decoded, errors)]
+    return means, [new_errors], flags
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  def update_fn(updates, state):
+    trees.check_state_matches(who, updates, state, init_fn(updates))
+    parts = leaves.split(updates, axis_name)
+    if not parts.chosen:
+      return updates, state
+    errors = parts.per_leaf(state.error)
+    means, (new_errors,), flags = _by_group(parts, exchange, [errors])
+    new_errors = leaves.keep_if(jnp.isfinite(flags), new_errors, errors)
+    return parts.outputs(means, flags), ErrorFeedbackState(parts.tree(new_errors))
+
+  return optax.GradientTransformationExtraArgs(
+      leaves.local_init(init_fn, axis_name, specs, who),
+      leaves.local_update(update_fn, axis_name, specs, who=who))
 
 
 def error_feedback(bits: int = 4, block_size: int = 2048,
-                   axis_name: AxisName | None = None) -> optax.GradientTransformationExtraArgs:
+                   axis_name: AxisName | None = None,
+                   specs: Any = None, scale_method: str = "absmax",
+                   clip_rms: float | None = None) -> optax.GradientTransformationExtraArgs:
   """Classic error feedback (Seide et al. 2014) around `int_quantized`, error in float32.
 
   h = g + e; d = Q(h) (absmax blocks of about `block_size`, `bits` bits); e' = h - d; the
   output is d, or with an axis the mean of every device's d over the same wire as
-  `int_quantized`. This is `loco(beta=0)` with the error kept exactly.
+  `int_quantized`. This is `loco(beta=0)` with the error kept exactly. `scale_method="rms"`
+  with `clip_rms` quantizes with loco's clipped-rms block scale (`quant.rms_scale`; e.g.
+  `error_feedback(2, 256, scale_method="rms", clip_rms=1.5)` is classic EF on loco(bits=2)'s
+  quantizer); the default stays absmax at every width (the classic comparator).
 
   With an axis, create the state inside `jax.shard_map` and declare it with
   `loco_jax.state_specs` (or use `parallel.init_opt_state`): the error differs per device.
@@ -243,11 +251,14 @@ def error_feedback(bits: int = 4, block_size: int = 2048,
   """
   _check_bits(bits)
   _check_block_size(block_size)
-  return _feedback(baseline_codecs.block_codec(bits, block_size), axis_name, "error_feedback")
+  _check_scale_method(scale_method, clip_rms)
+  return _feedback(baseline_codecs.block_codec(bits, block_size, scale_method, clip_rms),
+                   axis_name, "error_feedback", specs=specs)
 
 
 def sign_ef(block_size: int = 2048,
-            axis_name: AxisName | None = None) -> optax.GradientTransformationExtraArgs:
+            axis_name: AxisName | None = None,
+            specs: Any = None) -> optax.GradientTransformationExtraArgs:
   """1-bit sign compression with error feedback (the compressor of 1-bit Adam).
 
   h = g + e; per block of about `block_size` elements s = mean |h| (sent as float32) and
@@ -268,11 +279,12 @@ def sign_ef(block_size: int = 2048,
     >>> updates, state = opt.update(grads, state, params)
   """
   _check_block_size(block_size)
-  return _feedback(baseline_codecs.sign_codec(block_size), axis_name, "sign_ef")
+  return _feedback(baseline_codecs.sign_codec(block_size), axis_name, "sign_ef", specs=specs)
 
 
 def topk_ef(fraction: float = 0.01,
-            axis_name: AxisName | None = None) -> optax.GradientTransformationExtraArgs:
+            axis_name: AxisName | None = None,
+            specs: Any = None) -> optax.GradientTransformationExtraArgs:
   """Top-k sparsification with error feedback: the k = max(1, round(fraction * size)) entries of
   largest |h| of each leaf are sent, the rest kept in the float32 error.
 
@@ -294,11 +306,13 @@ def topk_ef(fraction: float = 0.01,
     >>> updates, state = opt.update(grads, state, params)
   """
   _check_fraction(fraction)
-  return _feedback(baseline_codecs.topk_codec(float(fraction)), axis_name, "topk_ef")
+  return _feedback(baseline_codecs.topk_codec(float(fraction)), axis_name, "topk_ef",
+                   specs=specs)
 
 
 def ef21(bits: int = 4, block_size: int = 2048,
-         axis_name: AxisName | None = None) -> optax.GradientTransformationExtraArgs:
+         axis_name: AxisName | None = None,
+         specs: Any = None) -> optax.GradientTransformationExtraArgs:
   """EF21 (Richtarik et al. 2021): devices send compressed changes of a running estimate.
 
   Each device keeps g_i (float32, starts at 0), sends c_i = Q(grad_i - g_i) (absmax blocks as in
@@ -322,23 +336,27 @@ def ef21(bits: int = 4, block_size: int = 2048,
   def init_fn(params):
     return EF21State(_flat_zeros(params), _flat_zeros(params))
 
-  def update_fn(updates, state, params=None, **extra_args):
-    del params, extra_args
-    trees.check_state_matches("ef21", updates, state, jax.eval_shape(init_fn, updates))
-    step = _step(updates)
-    if not step.chosen:
-      return updates, state
-    local, estimate = step.of(state.local), step.of(state.estimate)
-    hs = [quant.saturate(step.flat(i) - local[i]) for i in step.chosen]
+  def exchange(group, grads, flag, fields):
+    local, estimate = fields
+    hs = [quant.saturate(g - l) for g, l in zip(grads, local)]
     messages, decoded = baseline_codecs.encode_all(codec, hs, axis_name, "ef21")
-    means, flags = baseline_codecs.average_all(codec, messages, decoded, step.flag, axis_name)
-    new_local, new_estimate = list(local), list(estimate)
-    for i, c, c_mean in zip(step.chosen, decoded, means):
-      new_local[i] = quant.saturate(local[i] + c)
-      new_estimate[i] = quant.saturate(estimate[i] + c_mean)
-    new_local, new_estimate = _keep_if(jnp.isfinite(flags), (new_local, new_estimate),
-                                       (local, estimate))
-    out = step.outputs([new_estimate[i] for i in step.chosen], flags)
-    return out, EF21State(step.treedef.unflatten(new_local), step.treedef.unflatten(new_estimate))
+    means, flags = baseline_codecs.average_all(codec, messages, decoded, flag, axis_name)
+    return ([quant.saturate(e + c_mean) for e, c_mean in zip(estimate, means)],
+            [[quant.saturate(l + c) for l, c in zip(local, decoded)],
+             [quant.saturate(e + c_mean) for e, c_mean in zip(estimate, means)]], flags)
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  def update_fn(updates, state):
+    trees.check_state_matches("ef21", updates, state, init_fn(updates))
+    parts = leaves.split(updates, axis_name)
+    if not parts.chosen:
+      return updates, state
+    old = [parts.per_leaf(state.local), parts.per_leaf(state.estimate)]
+    _, new, flags = _by_group(parts, exchange, old)
+    new_local, new_estimate = leaves.keep_if(jnp.isfinite(flags), new, old)
+    out = parts.outputs([new_estimate[i] if i in parts.chosen else None
+                         for i in range(len(parts.leaves))], flags)
+    return out, EF21State(parts.tree(new_local), parts.tree(new_estimate))
+
+  return optax.GradientTransformationExtraArgs(
+      leaves.local_init(init_fn, axis_name, specs, "ef21"),
+      leaves.local_update(update_fn, axis_name, specs, who="ef21"))

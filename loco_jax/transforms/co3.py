@@ -1,22 +1,20 @@
 """CO3: small-float conversion with a GenNorm-fitted scale, Huffman coding, decaying error feedback."""
 
-import collections
-import concurrent.futures
 import functools
 import math
-import threading
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.experimental.buffer_callback import buffer_callback
 
 from loco_jax.codecs import fp, gennorm, huffman
-from loco_jax.core import quant
 from loco_jax.comm import AxisName
-from loco_jax.transforms.loco import _compressible, _flag, _nonfinite_flag
+from loco_jax.core import leaves, quant
+# The host side; `_code` and `_decode_all` are also read by the tests from here.
+from loco_jax.transforms.co3_host import (DECODED_KEPT, _code, _decode_all, _host,  # noqa: F401
+                                          _roundtrip)
 
 FORMATS = {"fp4": fp.FP4, "fp8": fp.FP8}
 FIT_SAMPLES = 65_536      # per leaf, strided: the fit needs the shape, not every value
@@ -59,24 +57,6 @@ def default_capacity_bits(fmt: fp.FloatFormat) -> float:
   return min(worst + CAPACITY_MARGIN_BITS, float(fmt.bits))
 
 
-def _host(fn, result, *args):
-  """Runs the numpy function `fn(*args)` on the host (once per device under shard_map).
-
-  On the CPU backend, jax.pure_callback copies its arguments onto CPU device 0, which under
-  shard_map may be blocked in a collective waiting for this very callback: a deadlock.
-  buffer_callback hands over the buffers themselves instead.
-  """
-  if jax.default_backend() != "cpu":
-    return jax.pure_callback(fn, result, *args)
-
-  def run(ctx, out, *buffers):
-    del ctx
-    values = fn(*[np.asarray(b) for b in buffers])
-    for buffer, value in zip(jax.tree.leaves(out), jax.tree.leaves(values)):
-      np.asarray(buffer)[...] = value
-  return buffer_callback(run, result)(*args)
-
-
 def _absmax_scale(fmt: fp.FloatFormat, absmax, fallback):
   """max_value / absmax inside fp.scale_range (numpy or jnp); `fallback` where absmax is 0."""
   xp = jnp if isinstance(absmax, jax.Array) else np
@@ -116,78 +96,6 @@ def _fit_scales(fmt: fp.FloatFormat, sizes: tuple[int, ...], previous: np.ndarra
   return scales
 
 
-def _encode(symbols: np.ndarray, pairs: bool) -> bytes:
-  # Pairs of fp4 symbols as one letter close most of Huffman's gap to the entropy.
-  return huffman.encode_pairs(symbols) if pairs else huffman.encode(symbols)
-
-
-def _code(symbols: np.ndarray, capacity: int, pairs: bool) -> tuple[np.ndarray, np.ndarray]:
-  """Host side: Huffman-codes one device's symbols into a fixed-capacity buffer plus length."""
-  data = _encode(symbols, pairs)
-  if len(data) <= capacity:  # this host will receive the stream back: it need not decode it
-    known, first = _claim((data, symbols.size))
-    if first:
-      known.set_result(symbols.copy())  # the callback's buffer does not outlive the call
-  buffer = np.zeros(capacity, np.uint8)
-  kept = min(len(data), capacity)
-  buffer[:kept] = np.frombuffer(data, np.uint8)[:kept]
-  return buffer, np.int32(len(data))
-
-
-# Decoded streams of the last few steps, by (coded bytes, symbol count). Devices that share a
-# host decode the same peers' streams, each in its own callback thread at the same moment: each
-# stream is decoded once, by the first thread to reach it, or not at all if this host coded it.
-_DECODED: "collections.OrderedDict[tuple[bytes, int], concurrent.futures.Future]" = (
-    collections.OrderedDict())
-_DECODED_LOCK = threading.Lock()
-DECODED_KEPT = 64  # streams: a few steps of a host's devices
-
-
-def _claim(key: tuple[bytes, int]) -> tuple[concurrent.futures.Future, bool]:
-  """The cache entry for `key`, and whether this call created it (and so must fill it)."""
-  with _DECODED_LOCK:
-    entry = _DECODED.get(key)
-    if entry is not None:
-      return entry, False
-    entry = _DECODED[key] = concurrent.futures.Future()
-    while len(_DECODED) > DECODED_KEPT:
-      _DECODED.popitem(last=False)
-    return entry, True
-
-
-def _decoded(data: bytes, total: int) -> concurrent.futures.Future:
-  """The decoded stream, decoded here if no other thread has started on it."""
-  entry, first = _claim((data, total))
-  if first:
-    try:
-      symbols = huffman.decode(data, max_symbols=total)
-      if symbols.size != total:  # numpy would broadcast a lone symbol over the whole row
-        raise ValueError(f"co3: a peer's stream holds {symbols.size} symbols, this step's "
-                         f"row holds {total}: the peer coded other gradients.")
-      entry.set_result(symbols)
-    except Exception as e:  # noqa: BLE001 - every thread gets the same ValueError
-      entry.set_exception(e)
-  return entry
-
-
-def _decode_all(buffers: np.ndarray, lengths: np.ndarray, total: int) -> np.ndarray:
-  """Host side: decodes every device's buffer (untrusted input: huffman.decode checks it)."""
-  out = np.zeros((buffers.shape[0], total), np.uint8)
-  # Streams another thread is decoding are skipped, then waited for: the threads share the work.
-  decoded = {d: _decoded(buffers[d, :lengths[d]].tobytes(), total)
-             for d in range(buffers.shape[0])
-             if lengths[d] <= buffers.shape[1]}  # an overflowed device's symbols come another way
-  for d, stream in decoded.items():
-    out[d] = stream.result()
-  return out
-
-
-def _roundtrip(symbols: np.ndarray, pairs: bool) -> tuple[np.ndarray, np.ndarray]:
-  """Host side, local mode: encode then decode, so the codec is inside the training loop."""
-  data = _encode(symbols, pairs)
-  return huffman.decode(data, max_symbols=symbols.size), np.int32(len(data))
-
-
 def co3(
     fmt: str = "fp4",
     gamma: float = 0.7,
@@ -195,6 +103,7 @@ def co3(
     entropy_code: bool = True,
     axis_name: AxisName | None = None,
     capacity_bits: float | None = None,
+    specs: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
   """CO3's Convert, Compress, Correct as an optax transformation; averages over `axis_name`.
 
@@ -227,7 +136,9 @@ def co3(
   A peer stream that does not decode to exactly this step's symbol count (corrupt, or coded
   for another shape) raises ValueError in the host callback; the step fails with a
   jax.errors.JaxRuntimeError carrying that message, never with a silently changed average.
-  A gradient tree that does not match the state raises ValueError naming the leaf.
+  A gradient tree that does not match the state raises ValueError naming the leaf. Leaves
+  sharded over mesh axes other than `axis_name` are coded as each device's own block, as in
+  `loco` (`specs`).
 
   Example:
     >>> opt = optax.chain(loco_jax.co3("fp4", gamma=0.7), optax.sgd(0.1))
@@ -251,99 +162,118 @@ def co3(
     return Co3State(
         count=jnp.zeros([], jnp.int32),
         error=jax.tree.map(
-            lambda x: jnp.zeros((x.size if _compressible(x) else 0,), jnp.float32), params),
+            lambda x: jnp.zeros((x.size if leaves.compressible(x) else 0,), jnp.float32), params),
         scale=jax.tree.map(lambda x: jnp.ones((1,), jnp.float32), params),
         coded_bits=jnp.zeros((1,), jnp.float32),
         overflows=jnp.zeros([], jnp.int32))
 
-  def update_fn(updates, state, params=None, **extra_args):
-    del params, extra_args
-    leaves, treedef, errors, scales = _flatten_matching(updates, state)
-    chosen = [i for i, g in enumerate(leaves) if _compressible(g)]
-    if not chosen:
-      return updates, state
-    # Saturating: g + gamma * e may exceed float32 for finite g near its maximum.
-    compensated = [quant.saturate(leaves[i].reshape(-1).astype(jnp.float32) + gamma * errors[i])
-                   for i in chosen]
-    finite, flag = _nonfinite_flag(leaves, chosen)
 
-    sizes = tuple(a.size for a in compensated)
-    old_scales = jnp.concatenate([scales[i] for i in chosen])
+  def convert(count, grads: list, errors: list, scales: list) -> tuple:
+    """Convert: a = g + gamma * e, the scales (refitted every `refit_interval` steps), and the
+    symbols. -> (a per leaf, scales [leaves], symbols [total] uint8)."""
+    # Saturating: g + gamma * e may exceed float32 for finite g near its maximum.
+    compensated = [quant.saturate(g + gamma * e) for g, e in zip(grads, errors)]
+    old_scales = jnp.concatenate(scales)
     absmax = jnp.stack([jnp.max(jnp.abs(a)) for a in compensated])
-    # A callback's result is typed replicated; under an axis it is this device's own.
-    own = (lambda x: x) if axis_name is None else (
-        lambda x: jax.lax.pcast(x, axis_name, to="varying"))
     fitted = jax.lax.cond(
-        state.count % refit_interval == 0,
-        lambda: own(_refit(small_float, compensated, old_scales, absmax)),
+        count % refit_interval == 0,
+        # A callback's result is typed replicated; it is this device's own.
+        lambda: leaves.vary_like(_refit(small_float, compensated, old_scales, absmax),
+                                 old_scales),
         lambda: old_scales)
     unfittable = jnp.stack([jnp.count_nonzero(a) < 2 for a in compensated])
     new_scales = jnp.where(unfittable, _absmax_scale(small_float, absmax, fitted), fitted)
-    symbols = jnp.concatenate([fp.encode(a, small_float, s)
-                               for a, s in zip(compensated, new_scales)])
-    total = symbols.size
-    coded_bits = jnp.float32(small_float.bits)
-    overflows = state.overflows
+    return compensated, new_scales, jnp.concatenate(
+        [fp.encode(a, small_float, s) for a, s in zip(compensated, new_scales)])
 
+  def exchange(symbols, new_scales, sizes: tuple, flag) -> tuple:
+    """Compress and average one group's symbols. -> (values per leaf, flags, coded bytes,
+    overflowed (0. or 1.))."""
+    total, nbytes, overflowed = symbols.size, jnp.int32(0), 0.0
     if axis_name is None:
       if entropy_code:
         symbols, nbytes = _host(
             functools.partial(_roundtrip, pairs=pairs), (jax.ShapeDtypeStruct((total,), jnp.uint8),
                          jax.ShapeDtypeStruct((), jnp.int32)), symbols)
-        coded_bits = 8.0 * nbytes.astype(jnp.float32) / total
-      sent = values = [v[0] for v in _decode_leaves(symbols[None], new_scales[None], sizes,
-                                                    small_float)]
+      return ([v[0] for v in _decode_leaves(symbols[None], new_scales[None], sizes, small_float)],
+              flag, nbytes, overflowed)
+    # Scales and the finiteness flag ride in one small gather, replicated afterwards.
+    leaf_count = len(sizes)
+    if entropy_code:
+      capacity = HEADER_BYTES + math.ceil((capacity_bits / 8 + LANE_TABLE_BYTES_PER_SYMBOL)
+                                          * total)
+      buffer, nbytes = leaves.vary_like(_host(
+          functools.partial(_code, capacity=capacity, pairs=pairs),
+          (jax.ShapeDtypeStruct((capacity,), jnp.uint8), jax.ShapeDtypeStruct((), jnp.int32)),
+          symbols), symbols)
+      side = jnp.concatenate([new_scales, flag[None], jax.lax.bitcast_convert_type(
+          nbytes, jnp.float32)[None]])
     else:
-      # Scales and the finiteness flag ride in one small gather, replicated afterwards.
-      if entropy_code:
-        capacity = HEADER_BYTES + math.ceil((capacity_bits / 8 + LANE_TABLE_BYTES_PER_SYMBOL)
-                                            * total)
-        buffer, nbytes = own(_host(
-            functools.partial(_code, capacity=capacity, pairs=pairs),
-            (jax.ShapeDtypeStruct((capacity,), jnp.uint8), jax.ShapeDtypeStruct((), jnp.int32)),
-            symbols))
-        coded_bits = 8.0 * nbytes.astype(jnp.float32) / total
-        side = jnp.concatenate([new_scales, flag[None], jax.lax.bitcast_convert_type(
-            nbytes, jnp.float32)[None]])
-      else:
-        side = jnp.concatenate([new_scales, flag[None]])
-      side = jax.lax.all_gather(side, axis_name, to="invarying")
-      peer_scales, flags = side[:, : len(chosen)], side[:, len(chosen)]
-      finite = jnp.all(jnp.isfinite(flags))
-      if entropy_code:
-        lengths = jax.lax.bitcast_convert_type(side[:, len(chosen) + 1], jnp.int32)
-        buffers = jax.lax.all_gather(buffer, axis_name, to="invarying")
-        peer_symbols = _host(
-            functools.partial(_decode_all, total=total),
-            jax.ShapeDtypeStruct((buffers.shape[0], total), jnp.uint8), buffers, lengths)
-        overflowed = lengths > capacity
-        peer_symbols = jax.lax.cond(
-            jnp.any(overflowed),
-            lambda: jnp.where(overflowed[:, None], _gather_raw(symbols, small_float, axis_name),
-                              peer_symbols),
-            lambda: peer_symbols)
-        overflows = overflows + jnp.any(overflowed).astype(jnp.int32)
-      else:
-        peer_symbols = _gather_raw(symbols, small_float, axis_name)
-      values = _decode_leaves(peer_symbols, peer_scales, sizes, small_float)
-      sent = [v[0] for v in _decode_leaves(symbols[None], new_scales[None], sizes, small_float)]
-      values = [quant.mean_over_peers(v) for v in values]  # never overflows
+      side = jnp.concatenate([new_scales, flag[None]])
+    side = jax.lax.all_gather(side, axis_name, to="invarying")
+    peer_scales, flags = side[:, :leaf_count], side[:, leaf_count]
+    if entropy_code:
+      lengths = jax.lax.bitcast_convert_type(side[:, leaf_count + 1], jnp.int32)
+      buffers = jax.lax.all_gather(buffer, axis_name, to="invarying")
+      # The same on every device of the axis, and this model shard's own (as `buffers`).
+      peer_symbols = leaves.vary_like(_host(
+          functools.partial(_decode_all, total=total),
+          jax.ShapeDtypeStruct((buffers.shape[0], total), jnp.uint8), buffers, lengths), buffers)
+      overflowed = lengths > capacity
+      peer_symbols = jax.lax.cond(
+          jnp.any(overflowed),
+          lambda: jnp.where(overflowed[:, None], _gather_raw(symbols, small_float, axis_name),
+                            peer_symbols),
+          lambda: peer_symbols)
+      overflowed = jnp.any(overflowed).astype(jnp.float32)
+    else:
+      peer_symbols = _gather_raw(symbols, small_float, axis_name)
+    values = _decode_leaves(peer_symbols, peer_scales, sizes, small_float)
+    # Every device's flag: NaN where one saw a non-finite gradient. Never overflows.
+    return [quant.mean_over_peers(v) for v in values], flags.sum(), nbytes, overflowed
 
-    flag_out = _flag(finite)
-    out, new_errors, new_scale_leaves = list(leaves), list(errors), list(scales)
-    for j, i in enumerate(chosen):
-      g = leaves[i]
-      out[i] = quant.saturating_cast((values[j] + flag_out).reshape(g.shape), g.dtype)
-      new_errors[i] = jnp.where(finite, compensated[j] - sent[j], errors[i])
-      new_scale_leaves[i] = jnp.where(finite, new_scales[j:j + 1], scales[i])
-    return treedef.unflatten(out), Co3State(
+  def update_body(updates, state):
+    _flatten_matching(updates, state)  # ValueError naming a leaf the state does not fit
+    parts = leaves.split(updates, axis_name)
+    if not parts.chosen:
+      return updates, state
+    errors, scales = parts.per_leaf(state.error), parts.per_leaf(state.scale)
+    values, new_errors, new_scales = [None] * len(parts.leaves), list(errors), list(scales)
+    flags, nbytes, symbols_sent, overflowed = jnp.float32(0), jnp.float32(0), 0, 0.0
+    for group in parts.groups:
+      compensated, group_scales, symbols = convert(
+          state.count, [parts.flat(i) for i in group], [errors[i] for i in group],
+          [scales[i] for i in group])
+      sizes = tuple(a.size for a in compensated)
+      group_values, group_flags, group_bytes, group_overflowed = exchange(
+          symbols, group_scales, sizes, leaves.flag(parts.finite(group)))
+      sent = [v[0] for v in _decode_leaves(symbols[None], group_scales[None], sizes,
+                                           small_float)]
+      for j, i in enumerate(group):
+        values[i] = group_values[j]
+        new_errors[i] = compensated[j] - sent[j]
+        new_scales[i] = group_scales[j:j + 1]
+      flags = flags + group_flags
+      nbytes = nbytes + group_bytes.astype(jnp.float32)
+      symbols_sent += symbols.size
+      overflowed = overflowed + group_overflowed
+    flags = parts.agree(flags)  # every shard, like every device, keeps or skips the step
+    finite = jnp.isfinite(flags)
+    coded_bits = (8.0 * nbytes / symbols_sent if entropy_code
+                  else jnp.float32(small_float.bits))
+    if axis_name is not None and entropy_code:
+      overflowed = parts.agree(jnp.asarray(overflowed, jnp.float32))
+    new_errors, new_scales = leaves.keep_if(finite, (new_errors, new_scales), (errors, scales))
+    return parts.outputs(values, flags), Co3State(
         count=jnp.where(finite, optax.safe_increment(state.count), state.count),
-        error=treedef.unflatten(new_errors),
-        scale=treedef.unflatten(new_scale_leaves),
+        error=parts.tree(new_errors),
+        scale=parts.tree(new_scales),
         coded_bits=jnp.where(finite, coded_bits, state.coded_bits).reshape(1),
-        overflows=overflows)
+        overflows=state.overflows + (jnp.asarray(overflowed) > 0).astype(jnp.int32))
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(
+      leaves.local_init(init_fn, axis_name, specs, "co3"),
+      leaves.local_update(update_body, axis_name, specs, who="co3"))
 
 
 def _flatten_matching(updates, state: Co3State):
@@ -356,7 +286,7 @@ def _flatten_matching(updates, state: Co3State):
     raise ValueError(f"co3: the gradient tree does not match the state's (init's params): "
                      f"{e}") from None
   for (path, g), error in zip(paths_and_leaves, errors):
-    expected = (g.size if _compressible(g) else 0,)
+    expected = (g.size if leaves.compressible(g) else 0,)
     if error.shape != expected:
       raise ValueError(
           f"co3: gradient leaf {jax.tree_util.keystr(path)} has shape {tuple(g.shape)} "

@@ -7,9 +7,8 @@ import jax.numpy as jnp
 import optax
 
 from loco_jax import comm
-from loco_jax.core import quant, trees
-from loco_jax.transforms.loco import (_check_args, _compressible, _feedback_step, _flag, _is_due,
-                           _keep_if, _nonfinite_flag, _probe_kernel)
+from loco_jax.core import feedback, leaves, quant, trees
+from loco_jax.transforms.loco import _check_args, _probe_kernel
 
 INTRA_MODES = ("reduce_scatter", "loco")
 
@@ -36,6 +35,7 @@ def two_hop(
     beta: float = 0.8,
     reset_interval: int = 1024,
     block_size: int = 2048,
+    specs: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Mean over a (node, local) mesh in two hops, each hop with its own int8 error.
 
@@ -51,7 +51,8 @@ def two_hop(
   Call it inside `jax.shard_map` over both axes; create the state there too and declare it
   with `state_specs(state, (node_axis, local_axis))`. A non-finite gradient (on any device)
   makes every output NaN and keeps the state; finite gradients give finite outputs and state
-  (both hops saturate as `loco` does, and the reduce-scatter sums g / 2**k).
+  (both hops saturate as `loco` does, and the reduce-scatter sums g / 2**k). Leaves sharded
+  over other mesh axes (a model axis) send each device's own block, as in `loco` (`specs`).
 
   Example:
     >>> opt = optax.chain(two_hop("node", "local"), optax.adamw(3e-4))
@@ -68,77 +69,82 @@ def two_hop(
     blocks = comm.leaf_layout(size, 1, block_size).blocks if size else 0
     return jnp.zeros((size,), jnp.int8), jnp.zeros((blocks,), jnp.float32)
 
-  def init_fn(params):
-    leaves, treedef = jax.tree.flatten(params)
+  def init_body(params):
+    parts = leaves.split(params, (node_axis, local_axis))
     local = comm.axis_size(local_axis, "two_hop")
-    sizes = [x.size if _compressible(x) else 0 for x in leaves]
+    sizes = [x.size if i in parts.chosen else 0 for i, x in enumerate(parts.leaves)]
     own = [buffers(n if intra == "loco" else 0) for n in sizes]
     node = [buffers(comm.shard_len(n, local) if n else 0) for n in sizes]
-    pick = lambda bufs, j: treedef.unflatten([b[j] for b in bufs])
+    pick = lambda bufs, j: parts.tree([b[j] for b in bufs])
     fixed = error_scale is not None
     return TwoHopState(jnp.zeros([], jnp.int32), pick(own, 0), None if fixed else pick(own, 1),
                        pick(node, 0), None if fixed else pick(node, 1))
 
-  def update_fn(updates, state, params=None, **extra_args):
-    del params, extra_args
-    trees.check_state_matches("two_hop", updates, state, jax.eval_shape(init_fn, updates))
-    leaves, treedef = jax.tree.flatten(updates)
-    flat = lambda tree: [None] * len(leaves) if tree is None else treedef.flatten_up_to(tree)
+  def hops(grads: list[jax.Array], old: list, new: list, k: jax.Array,
+           finite: jax.Array) -> tuple[list[jax.Array], jax.Array]:
+    """Both hops for one group of leaves (`grads`, flat; `old`/`new`: their state fields, the
+    new ones written in place). -> the averaged leaves and the flags."""
     local, nodes = comm.axis_size(local_axis, "two_hop"), comm.axis_size(node_axis, "two_hop")
-    k = state.count
-    step = lambda g, err, err_scale, send: _feedback_step(
-        g, err, err_scale, send, _is_due(k, reset_interval), bits, scale, error_bits,
+    step = lambda g, err, err_scale, send: feedback.feedback_step(
+        g, err, err_scale, send, feedback.is_due(k, reset_interval), bits, scale, error_bits,
         error_scale, beta, block_size)
-
-    chosen = [i for i, g in enumerate(leaves) if _compressible(g)]
-    if not chosen:  # nothing to compress or send
-      return updates, state._replace(count=optax.safe_increment(k))
-    grads = [leaves[i].reshape(-1).astype(jnp.float32) for i in chosen]
     layouts1 = [comm.leaf_layout(g.size, local, wire_block) for g in grads]
-
-    errors, error_scales = flat(state.error), flat(state.error_scale)
-    new_errors, new_error_scales = list(errors), list(error_scales)
     if intra == "loco":
-      sent, finite = [], jnp.bool_(True)
-      for i, g, lay in zip(chosen, grads, layouts1):
-        fb = step(g, errors[i], error_scales[i], lay)
-        new_errors[i], new_error_scales[i] = fb.error, fb.error_scale
+      sent = []
+      for j, (g, lay) in enumerate(zip(grads, layouts1)):
+        fb = step(g, old[0][j], old[1][j], lay)
+        new[0][j], new[1][j] = fb.error, fb.error_scale
         finite &= fb.finite  # the step has read g already
         sent.append(fb.sent)
-      shards, flags = comm.all_to_all_mean(sent, bits, scale, _flag(finite), local_axis)
+      shards, flags = comm.all_to_all_mean(sent, bits, scale, leaves.flag(finite), local_axis)
       shards = [s.reshape(-1)[: lay.row_len] for s, lay in zip(shards, layouts1)]
     else:
-      _, flag = _nonfinite_flag(leaves, chosen)
       down, up = quant.mean_factors(local)  # a sum of g / 2**k: finite g never overflow it
       shards = [quant.saturate(jax.lax.psum_scatter(
           comm.shard_rows(g * down, lay), local_axis, scatter_dimension=0,
           tiled=True).reshape(-1) * up) for g, lay in zip(grads, layouts1)]
-      flags = jax.lax.psum(flag, local_axis)
+      flags = jax.lax.psum(leaves.flag(finite), local_axis)
 
-    node_errors, node_scales = flat(state.node_error), flat(state.node_error_scale)
-    new_node_errors, new_node_scales = list(node_errors), list(node_scales)
     sent, layouts2 = [], []
-    for i, s in zip(chosen, shards):
+    for j, s in enumerate(shards):
       lay = comm.leaf_layout(s.size, nodes, wire_block)
-      fb = step(s, node_errors[i], node_scales[i], lay)
-      new_node_errors[i], new_node_scales[i] = fb.error, fb.error_scale
+      fb = step(s, old[2][j], old[3][j], lay)
+      new[2][j], new[3][j] = fb.error, fb.error_scale
       sent.append(fb.sent)
       layouts2.append(lay)
     shards, flags = comm.all_to_all_mean(sent, bits, scale, flags, node_axis)
     node_shards, flags = comm.gather_bf16([quant.saturate(s, jnp.bfloat16) for s in shards],
                                           layouts2, flags, node_axis)
-    averaged, flags = comm.gather_bf16(node_shards, layouts1, flags, local_axis)
+    return comm.gather_bf16(node_shards, layouts1, flags, local_axis)
 
+  def update_body(updates, state):
+    trees.check_state_matches("two_hop", updates, state, init_body(updates))
+    parts, k = leaves.split(updates, (node_axis, local_axis)), state.count
+    if not parts.chosen:  # nothing to compress or send
+      return updates, state._replace(count=optax.safe_increment(k))
+    fields = (state.error, state.error_scale, state.node_error, state.node_error_scale)
+    old = [parts.per_leaf(f) for f in fields]
+    new, values, flags = [list(f) for f in old], [None] * len(parts.leaves), jnp.float32(0)
+    for group in parts.groups:
+      group_old = [[f[i] for i in group] for f in old]
+      group_new = [list(f) for f in group_old]
+      # With intra="loco" the first hop's step reads the gradients (and their finiteness).
+      finite = jnp.bool_(True) if intra == "loco" else parts.finite(group)
+      averaged, group_flags = hops([parts.flat(i) for i in group], group_old, group_new, k,
+                                   finite)
+      for j, i in enumerate(group):
+        values[i] = averaged[j]
+        for f, g in zip(new, group_new):
+          f[i] = g[j]
+      flags = flags + group_flags
+    flags = parts.agree(flags)  # every shard, like every device, keeps or skips the step
     finite = jnp.isfinite(flags)
-    out = list(leaves)
-    for i, value in zip(chosen, averaged):
-      out[i] = quant.saturating_cast((value + flags).reshape(leaves[i].shape), leaves[i].dtype)
-    kept = _keep_if(finite, (new_errors, new_error_scales, new_node_errors, new_node_scales),
-                    (errors, error_scales, node_errors, node_scales))
-    unflat = lambda xs, tree: None if tree is None else treedef.unflatten(xs)
-    return treedef.unflatten(out), TwoHopState(
-        jnp.where(finite, optax.safe_increment(k), k), unflat(kept[0], state.error),
-        unflat(kept[1], state.error_scale), unflat(kept[2], state.node_error),
-        unflat(kept[3], state.node_error_scale))
+    kept = leaves.keep_if(finite, new, old)
+    return parts.outputs(values, flags), TwoHopState(
+        jnp.where(finite, optax.safe_increment(k), k),
+        *[parts.tree(x, like) for x, like in zip(kept, fields)])
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  axes = (node_axis, local_axis)
+  return optax.GradientTransformationExtraArgs(
+      leaves.local_init(init_body, axes, specs, "two_hop"),
+      leaves.local_update(update_body, axes, specs, who="two_hop"))

@@ -9,10 +9,63 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from loco_jax import comm, kernels
-from loco_jax.core import buckets, quant, trees
-from loco_jax.comm import AxisName, LeafLayout, Payload, bucketed
+from loco_jax.core import buckets, feedback, leaves, quant, trees
+from loco_jax.comm import AxisName, bucketed
 
 GATHER_MODES = ("bf16", "quantized")
+
+# What `loco` uses for the arguments left at None, by bit width (the "Low-bit LoCo" sweep in
+# docs/EXPERIMENTS.md chose 2 and 3 bits; every other width keeps the paper's recipe).
+BIT_WIDTH_DEFAULTS = {
+    2: dict(scale_method="rms", clip_rms=1.5, block_size=128, beta=0.8, error_bits=8),
+    3: dict(scale_method="rms", clip_rms=3.0, block_size=256, beta=0.8, error_bits=8),
+}
+PAPER_DEFAULTS = dict(scale_method="absmax", clip_rms=None, block_size=2048, beta=0.8,
+                      error_bits=8)
+
+
+def defaults_for(bits: int) -> dict:
+  """The settings `loco(bits=bits)` uses for arguments left at None (`BIT_WIDTH_DEFAULTS`, else
+  the paper's: absmax blocks of 2048, beta 0.8, an 8-bit error).
+
+  Example:
+    >>> defaults_for(2)["scale_method"], defaults_for(4)["block_size"]
+    ('rms', 2048)
+  """
+  return dict(BIT_WIDTH_DEFAULTS.get(bits, PAPER_DEFAULTS))
+
+
+def _resolve_defaults(bits, scale, scale_method, clip_rms, block_size, beta, error_bits):
+  """(scale_method, clip_rms, block_size, beta, error_bits) with None replaced by the width's
+  default; ValueError where the given ones contradict each other."""
+  if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)):
+    return scale_method, clip_rms, block_size, beta, error_bits  # _check_args says why
+  table = defaults_for(int(bits))
+  pick = lambda value, name: table[name] if value is None else value
+  block_size, beta, error_bits = (pick(block_size, "block_size"), pick(beta, "beta"),
+                                  pick(error_bits, "error_bits"))
+  if scale is not None:
+    if scale_method not in (None, "absmax") or clip_rms is not None:
+      raise ValueError(f"a fixed scale={scale!r} replaces the block scales: scale_method="
+                       f"{scale_method!r} and clip_rms={clip_rms!r} do not apply to it")
+    return "absmax", None, block_size, beta, error_bits
+  if scale_method is None:
+    scale_method = table["scale_method"]
+    if clip_rms is not None and scale_method != "rms":
+      raise ValueError(f"clip_rms={clip_rms!r} needs scale_method='rms' (the default at "
+                       f"bits={bits} is {scale_method!r})")
+  if scale_method == "rms" and clip_rms is None:
+    if table["clip_rms"] is None:
+      raise ValueError(f"scale_method='rms' at bits={bits} has no default clip_rms: pass one "
+                       f"(the top code sits at clip_rms x the block's rms; 2 bits use "
+                       f"{BIT_WIDTH_DEFAULTS[2]['clip_rms']}, 3 bits "
+                       f"{BIT_WIDTH_DEFAULTS[3]['clip_rms']})")
+    clip_rms = table["clip_rms"]
+  if not _concrete(clip_rms):
+    raise ValueError("clip_rms must be a Python float: the kernel bakes it in (under "
+                     "optax.inject_hyperparams pass it in static_args)")
+  quant.check_scale_method(scale_method, clip_rms)
+  return scale_method, clip_rms, block_size, beta, error_bits
 
 
 class LocoState(NamedTuple):
@@ -33,7 +86,8 @@ def _concrete(x) -> bool:
 
 def _check_args(bits, scale, error_bits, error_scale, beta, reset_interval, block_size, gather):
   hint = (" (under optax.inject_hyperparams pass it in static_args, e.g. static_args=('bits', "
-          "'error_bits', 'reset_interval', 'block_size', 'axis_name', 'gather', 'scatter'))")
+          "'error_bits', 'reset_interval', 'block_size', 'axis_name', 'gather', 'scatter', "
+          "'scale_method', 'clip_rms'))")
   for name, value in (("bits", bits), ("error_bits", error_bits)):
     try:
       quant.check_bits(value, name)
@@ -59,41 +113,8 @@ def _check_args(bits, scale, error_bits, error_scale, beta, reset_interval, bloc
     raise ValueError(f"gather must be one of {GATHER_MODES}, got {gather!r}")
 
 
-def _compressible(x) -> bool:
-  return jnp.issubdtype(x.dtype, jnp.floating) and x.size > 0
-
-
-def _quantize_blocks(x: jax.Array, layout: LeafLayout, bits: int, scale) -> Payload:
-  """[size] float32 -> int codes [rows, blocks, block_len] with absmax or fixed scales."""
-  rows = comm.to_rows(x, layout)
-  if scale is None:
-    scales = quant.absmax_scale(rows, bits)
-    return Payload(quant.compress(rows, scales[..., None], bits), scales)
-  return Payload(quant.compress(rows, scale, bits), None)
-
-
-def _dequantize_blocks(payload: Payload, layout: LeafLayout, scale) -> jax.Array:
-  """Inverse of `_quantize_blocks`: -> [size] float32."""
-  s = scale if payload.scales is None else payload.scales[..., None]
-  return comm.from_rows(quant.decompress(payload.codes, s), layout)
-
-
-class _Feedback(NamedTuple):
-  sent: Payload             # the compressed h, laid out for the wire
-  error: jax.Array          # int8 [size], the new stored error
-  error_scale: Any          # float32 [blocks] or None
-  finite: jax.Array         # bool []: every value of g was finite
-  decompressed: Any         # d as float32 [size] (when asked for), else None
-
-
-def _fusable(size: int, send: LeafLayout, scale, error_scale, beta, block_size: int) -> bool:
-  """Whether `kernels.compress_step` can take the step: absmax scales for the payload and the
-  error, a constant beta, and blocks of exactly `block_size` that line up with the wire rows."""
-  return (scale is None and error_scale is None and _concrete(beta)
-          and block_size % quant.PACK_UNIT == 0 and size % (send.rows * block_size) == 0)
-
-
-def _probe_kernel(bits: int, scale, error_bits: int, error_scale, beta, block_size: int) -> None:
+def _probe_kernel(bits: int, scale, error_bits: int, error_scale, beta, block_size: int,
+                  scale_method: str = "absmax", clip_rms: float | None = None) -> None:
   """Runs the Pallas kernels' check (`kernels.pallas_report`) for these settings now, outside
   any trace.
 
@@ -104,93 +125,30 @@ def _probe_kernel(bits: int, scale, error_bits: int, error_scale, beta, block_si
   """
   if _concrete(beta):
     kernels.chosen_implementation(bits=bits, error_bits=error_bits, beta=float(beta),
-                                  block_size=block_size)
+                                  block_size=block_size, scale_method=scale_method,
+                                  clip_rms=clip_rms)
     kernels.chosen_implementation(bits=bits)
 
 
-def _feedback_step(g: jax.Array, error: jax.Array, error_scales, send: LeafLayout, reset,
-                   bits: int, scale, error_bits: int, error_scale, beta, block_size: int,
-                   decompressed: bool = False, fuse: bool = True) -> _Feedback:
-  """One LoCo step on one flat float32 leaf in `comm.leaf_layout` rows (per leaf: what
-  `hierarchical.two_hop` runs; `loco` itself runs `kernels.compress_step` per bucket).
-
-  Aligned leaves go through the fused kernel (one pass over memory: a Pallas kernel on GPU and
-  TPU); the others, and every leaf with `fuse=False`, through the same math in jnp here, with
-  ragged blocks padded.
-  """
-  if fuse and _fusable(g.size, send, scale, error_scale, beta, block_size):
-    out = kernels.compress_step(g, error, error_scales, bits=bits, error_bits=error_bits,
-                                beta=float(beta), reset=reset, block_size=block_size,
-                                decompressed=decompressed)
-    sent = Payload(out.packed.reshape(send.rows, send.blocks, -1),
-                   out.scales.reshape(send.rows, send.blocks), packed=True)
-    return _Feedback(sent, out.error, out.error_scale, out.finite, out.decompressed)
-  own = comm.leaf_layout(g.size, 1, block_size)
-  stored = Payload(comm.to_rows(error, own),
-                   None if error_scales is None else error_scales[None])
-  e = jnp.where(reset, 0.0, _dequantize_blocks(stored, own, error_scale))
-  h = quant.saturate(g + e)  # finite g near the float32 maximum: saturate, never inf
-  sent = _quantize_blocks(h, send, bits, scale)
-  d = _dequantize_blocks(sent, send, scale)
-  residual = _quantize_blocks(quant.saturate(beta * e + (1.0 - beta) * (h - d)), own, error_bits,
-                              error_scale)
-  new_scales = None if residual.scales is None else residual.scales[0]
-  return _Feedback(sent, comm.from_rows(residual.codes, own), new_scales,
-                   jnp.all(jnp.isfinite(g)), d if decompressed else None)
-
-
-def _reference_step(g: jax.Array, error: jax.Array, error_scale: jax.Array, reset,
-                    bits: int = 4, error_bits: int = 8, beta: float = 0.8,
-                    block_size: int = 2048) -> _Feedback:
-  """Local-mode LoCo step on one leaf in plain jnp, never fused: an unfused formulation that
-  tests compare kernels.compress_step with near the float32 maximum (the criterion for every
-  implementation is `reference.check_step`, in float64)."""
-  return _feedback_step(g, error, error_scale, comm.leaf_layout(g.size, 1, block_size), reset,
-                        bits, None, error_bits, None, beta, block_size, decompressed=True,
-                        fuse=False)
-
-
-def _is_due(count: jax.Array, reset_interval: int) -> jax.Array:
-  """Whether the error is zeroed before this step: k > 0 and a multiple of reset_interval."""
-  if reset_interval == 0:
-    return jnp.bool_(False)
-  return (count > 0) & (count % reset_interval == 0)
-
-
-def _flag(finite: jax.Array) -> jax.Array:
-  """0.0, or NaN when some gradient is not finite: it travels with the payload so that every
-  device of the axis learns of it."""
-  return jnp.where(finite, 0.0, jnp.nan).astype(jnp.float32)
-
-
-def _nonfinite_flag(leaves: list, chosen: list[int]) -> tuple[jax.Array, jax.Array]:
-  """(all finite, `_flag`) over the chosen leaves."""
-  finite = jnp.bool_(True)
-  for i in chosen:
-    finite &= jnp.all(jnp.isfinite(leaves[i]))
-  return finite, _flag(finite)
-
-
-def _merge(new: list | None, old: list) -> list:
-  """Per leaf: the new value, or the old one where there is none (leaves that are not sent)."""
-  return old if new is None else [o if n is None else n for n, o in zip(new, old)]
-
-
-def _keep_if(finite, new, old):
-  return jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+# The LoCo step pieces live in core.feedback and the leaf plumbing in core.leaves; the tests
+# reach the unfused step by this name.
+_reference_step = feedback.reference_step
 
 
 def loco(
     bits: int = 4,
     scale: float | None = None,
-    error_bits: int = 8,
+    error_bits: int | None = None,
     error_scale: float | None = None,
-    beta: float = 0.8,
+    beta: float | None = None,
     reset_interval: int = 1024,
-    block_size: int = 2048,
+    block_size: int | None = None,
     axis_name: AxisName | None = None,
     gather: str = "bf16",
     scatter: bool = False,
+    specs: Any = None,
+    scale_method: str | None = None,
+    clip_rms: float | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Compresses gradients to `bits` with LoCo's error feedback; averages them over `axis_name`.
 
@@ -199,7 +157,22 @@ def loco(
   e' = compress(beta * e + (1 - beta) * (h - d); s_e, error_bits). `scale=None` uses one absmax
   scale per block of about `block_size` elements (sent with the data); a float is the paper's
   fixed scale (2**17..2**19 for LLMs); `error_scale` likewise for the stored error (paper: 4s
-  to 6s). beta = 0 is classic error feedback.
+  to 6s). beta = 0 is classic error feedback. `scale_method="rms"` puts the top code at
+  `clip_rms` times the block's rms instead of at its max|h| (s = qmax / min(clip_rms x rms,
+  max|h|), `quant.rms_scale`): values beyond it are clipped and the clipped part goes into the
+  error like any other; at 2 and 3 bits this keeps most values off zero (an absmax scale
+  rounds ~90% of a Gaussian block to 0 at 2 bits) and the grid's -2**(bits-1) code in use.
+
+  Arguments left at None take the default for `bits` (`defaults_for`; chosen by the sweep in
+  docs/EXPERIMENTS.md, "Low-bit LoCo"):
+
+    bits     scale_method  clip_rms  block_size  beta  error_bits   payload bits/param
+    2        rms           1.5       128         0.8   8            2 + 32/128 = 2.25
+    3        rms           3.0       256         0.8   8            3 + 32/256 = 3.125
+    others   absmax        -         2048        0.8   8            bits + 32/2048
+
+  (the scales are float32, one per block, sent with the codes). `loco(bits=4)` is the paper's
+  recipe as before.
 
   The leaves are laid out once, from their shapes, in a few buckets (`buckets.plan`: each
   leaf's per-device rows cut into whole blocks of `block_size`, a remainder into smaller blocks
@@ -218,6 +191,12 @@ def loco(
   (row j of every bucket is device j's shard of every leaf). With an axis, create the state
   inside `shard_map` and declare it with `state_specs`: the errors differ per device.
 
+  Leaves sharded over mesh axes other than `axis_name` (a model axis) are compressed and sent
+  as each device's own block (`core.leaves`): manual axes need nothing, Explicit axes are read
+  from the gradients' types, and Auto axes inside a shard_map manual over the data axes need
+  `specs` (the params' PartitionSpecs, or the `leaves.leaf_specs` context manager); the state
+  is split like its leaf, and `init` and `update` give it the same sharding.
+
   Non-float and zero-size leaves pass through. A non-finite gradient (on any device of the
   axis) makes every output NaN and leaves the state unchanged, so the error is never poisoned;
   wrap the chain in `optax.apply_if_finite` to skip such steps. Finite gradients give finite
@@ -230,8 +209,10 @@ def loco(
     >>> state = opt.init(params)
     >>> updates, state = opt.update(grads, state, params)
   """
+  scale_method, clip_rms, block_size, beta, error_bits = _resolve_defaults(
+      bits, scale, scale_method, clip_rms, block_size, beta, error_bits)
   _check_args(bits, scale, error_bits, error_scale, beta, reset_interval, block_size, gather)
-  _probe_kernel(bits, scale, error_bits, error_scale, beta, block_size)
+  _probe_kernel(bits, scale, error_bits, error_scale, beta, block_size, scale_method, clip_rms)
   if gather == "quantized" and axis_name is None:
     raise ValueError("gather='quantized' needs an axis_name: there is no gather without one")
   if scatter and axis_name is None:
@@ -245,27 +226,34 @@ def loco(
   def rows_on_axis() -> int:
     return 1 if axis_name is None else comm.axis_size(axis_name)
 
-  def plan_of(leaves: list, rows: int) -> buckets.Plan:
-    return buckets.plan(tuple(x.size if _compressible(x) else 0 for x in leaves), rows,
-                        block_size)
+  def plans(parts: leaves.Leaves) -> list[tuple[list[int], buckets.Plan]]:
+    """The bucket layout of each group of leaves (one group unless some leaves are sharded
+    over a model axis and others not: those differ per shard, these do not)."""
+    rows = rows_on_axis()
+    return [(group, buckets.plan(tuple(x.size if i in group else 0
+                                       for i, x in enumerate(parts.leaves)), rows, block_size))
+            for group in parts.groups]
 
-  def init_fn(params):
-    leaves, treedef = jax.tree.flatten(params)
-    p = plan_of(leaves, rows_on_axis())
-    empty = lambda dtype: jnp.zeros((0,), dtype)
-    tree = lambda make: treedef.unflatten([empty(jnp.int8) if leaf is None else make(leaf)
-                                           for leaf in p.leaves])
-    scales = lambda make: treedef.unflatten([empty(jnp.float32) if leaf is None else make(leaf)
-                                             for leaf in p.leaves])
+  def init_body(params):
+    parts = leaves.split(params, axis_name)
+    leaf_plans = [None] * len(parts.leaves)
+    for group, p in plans(parts):
+      for i in group:
+        leaf_plans[i] = p.leaves[i]
+    rows = rows_on_axis()
+    tree = lambda dtype, make: parts.tree([jnp.zeros((0,), dtype) if leaf is None else make(leaf)
+                                           for leaf in leaf_plans])
+    int8 = lambda size: lambda leaf: jnp.zeros((size(leaf),), jnp.int8)
+    float32 = lambda size: lambda leaf: jnp.zeros((size(leaf),), jnp.float32)
     fixed_error = error_scale is not None
     return LocoState(
         count=jnp.zeros([], jnp.int32),
-        error=tree(lambda leaf: jnp.zeros((leaf.size,), jnp.int8)),
-        error_scale=None if fixed_error else scales(
-            lambda leaf: jnp.zeros((p.rows * leaf.blocks,), jnp.float32)),
-        gather_error=tree(lambda leaf: jnp.zeros((leaf.row_len,), jnp.int8))
+        error=tree(jnp.int8, int8(lambda leaf: leaf.size)),
+        error_scale=None if fixed_error else tree(
+            jnp.float32, float32(lambda leaf: rows * leaf.blocks)),
+        gather_error=tree(jnp.int8, int8(lambda leaf: leaf.row_len))
         if quantized_gather else None,
-        gather_scale=scales(lambda leaf: jnp.zeros((leaf.blocks,), jnp.float32))
+        gather_scale=tree(jnp.float32, float32(lambda leaf: leaf.blocks))
         if quantized_gather and not fixed_error else None)
 
   def compress(p: buckets.Plan, firsts: list, grads: list, errors: list, error_scales: list,
@@ -281,7 +269,8 @@ def loco(
       out = kernels.compress_step(
           g.reshape(-1), e.reshape(-1), None if es is None else es.reshape(-1), bits=bits,
           error_bits=error_bits, beta=beta, reset=reset, block_size=n, decompressed=local,
-          fixed_scale=scale, fixed_error_scale=error_scale)
+          fixed_scale=scale, fixed_error_scale=error_scale, scale_method=scale_method,
+          clip_rms=clip_rms)
       packed.append(out.packed.reshape(rows, blocks, -1))
       scales.append(out.scales.reshape(rows, blocks))
       new_e.append(out.error.reshape(rows, blocks, n))
@@ -294,76 +283,64 @@ def loco(
             None if error_scale is not None else buckets.scales_from_buckets(new_es, p, firsts),
             decompressed, finite)
 
-  def update_fn(updates, state, params=None, **extra_args):
-    del params, extra_args
-    trees.check_state_matches("loco", updates, state, jax.eval_shape(init_fn, updates))
-    leaves, treedef = jax.tree.flatten(updates)
-    k = state.count
-    p = plan_of(leaves, rows_on_axis())
-    if not any(p.leaves):  # nothing to compress or send
-      return updates, state._replace(count=optax.safe_increment(k))
-    flat_state = lambda tree: ([None] * len(leaves) if tree is None
-                               else treedef.flatten_up_to(tree))
-    errors, error_scales = flat_state(state.error), flat_state(state.error_scale)
-    grads = [None if leaf is None else g.reshape(-1).astype(jnp.float32)
-             for g, leaf in zip(leaves, p.leaves)]
-    reset = _is_due(k, reset_interval)
+  def exchange(p: buckets.Plan, k: jax.Array, grads: list, state: list, reset) -> tuple:
+    """One group's step: compress its buckets, average them over the axis (all-to-all,
+    receive-side mean, gather). -> (values per leaf, flags, new state fields per leaf)."""
+    errors, error_scales, gather_errors, gather_scales = state
     firsts = buckets.starts(p, k)
     packed, scales, new_errors, new_error_scales, local_d, finite = compress(
         p, firsts, grads, errors, error_scales, reset, axis_name is None)
-    flag = _flag(finite)
-
-    new_gather = (state.gather_error, state.gather_scale)
+    new_gather = (None, None)
     if axis_name is None:
-      averaged = [None if d is None else d + flag
-                  for d in buckets.from_buckets(local_d, p, firsts)]
+      return (buckets.from_buckets(local_d, p, firsts), leaves.flag(finite),
+              (new_errors, new_error_scales) + new_gather)
+    means, flags = bucketed.all_to_all_mean(packed, scales, scale, bits, leaves.flag(finite),
+                                            axis_name)
+    if scatter:
+      # No gather follows to bring the flags back replicated: one 4-byte all-reduce does.
+      return (buckets.shards(means, p, firsts), jax.lax.psum(leaves.flag(finite), axis_name),
+              (new_errors, new_error_scales) + new_gather)
+    if gather == "bf16":
+      gathered, flags = bucketed.gather_bf16(means, p, flags, axis_name)
     else:
-      means, flags = bucketed.all_to_all_mean(packed, scales, scale, bits, flag, axis_name)
-      if scatter:
-        # No gather follows to bring the flags back replicated: one 4-byte all-reduce does.
-        flags = jax.lax.psum(flag, axis_name)
-        averaged = [None if s is None else s + flags
-                    for s in buckets.shards(means, p, firsts)]
-      elif gather == "bf16":
-        gathered, flags = bucketed.gather_bf16(means, p, flags, axis_name)
-        averaged = [None if v is None else v + flags
-                    for v in buckets.from_buckets(gathered, p, firsts)]
-      else:
-        # The averaged shard is re-quantized with its own error: the buckets of one row.
-        shard_plan = p._replace(rows=1, leaves=tuple(
-            None if leaf is None else leaf._replace(size=leaf.row_len) for leaf in p.leaves))
-        gather_errors, gather_scales = flat_state(state.gather_error), flat_state(
-            state.gather_scale)
-        shard_packed, shard_scales, new_gather_errors, new_gather_scales, _, _ = compress(
-            shard_plan, firsts, buckets.shards(means, p, firsts), gather_errors, gather_scales,
-            reset, False)
-        gathered, flags = bucketed.gather_packed(
-            [x[0] for x in shard_packed],
-            None if shard_scales is None else [s[0] for s in shard_scales], scale, bits, p,
-            flags, axis_name)
-        averaged = [None if v is None else v + flags
-                    for v in buckets.from_buckets(gathered, p, firsts)]
-        kept = _keep_if(jnp.isfinite(flags), (_merge(new_gather_errors, gather_errors),
-                                              _merge(new_gather_scales, gather_scales)),
-                        (gather_errors, gather_scales))
-        new_gather = (treedef.unflatten(kept[0]),
-                      None if state.gather_scale is None else treedef.unflatten(kept[1]))
-      finite = jnp.isfinite(flags)  # every device of the axis keeps or skips the step together
+      # The averaged shard is re-quantized with its own error: the buckets of one row.
+      shard_plan = p._replace(rows=1, leaves=tuple(
+          None if leaf is None else leaf._replace(size=leaf.row_len) for leaf in p.leaves))
+      shard_packed, shard_scales, *new_gather, _, _ = compress(
+          shard_plan, firsts, buckets.shards(means, p, firsts), gather_errors, gather_scales,
+          reset, False)
+      gathered, flags = bucketed.gather_packed(
+          [x[0] for x in shard_packed],
+          None if shard_scales is None else [s[0] for s in shard_scales], scale, bits, p,
+          flags, axis_name)
+    return (buckets.from_buckets(gathered, p, firsts), flags,
+            (new_errors, new_error_scales) + tuple(new_gather))
 
-    out = [g if v is None else quant.saturating_cast(
-        v.reshape(v.shape if scatter and axis_name is not None else g.shape), g.dtype)
-           for g, v in zip(leaves, averaged)]
-    new_errors, new_error_scales = _keep_if(
-        finite, (_merge(new_errors, errors), _merge(new_error_scales, error_scales)),
-        (errors, error_scales))
-    new_state = LocoState(
-        count=jnp.where(finite, optax.safe_increment(k), k),
-        error=treedef.unflatten(new_errors),
-        error_scale=None if state.error_scale is None else treedef.unflatten(new_error_scales),
-        gather_error=new_gather[0],
-        gather_scale=new_gather[1])
-    return treedef.unflatten(out), new_state
+  def update_body(updates, state):
+    trees.check_state_matches("loco", updates, state, init_body(updates))
+    parts, k = leaves.split(updates, axis_name), state.count
+    if not parts.chosen:  # nothing to compress or send
+      return updates, state._replace(count=optax.safe_increment(k))
+    fields = (state.error, state.error_scale, state.gather_error, state.gather_scale)
+    old = [parts.per_leaf(f) for f in fields]
+    new, values, flags = [list(f) for f in old], [None] * len(parts.leaves), jnp.float32(0)
+    reset = feedback.is_due(k, reset_interval)
+    for group, p in plans(parts):
+      grads = [parts.flat(i) if i in group else None for i in range(len(parts.leaves))]
+      group_values, group_flags, group_new = exchange(p, k, grads, old, reset)
+      values = leaves.merge(group_values, values)
+      new = [leaves.merge(n, f) for n, f in zip(group_new, new)]
+      flags = flags + group_flags
+    flags = parts.agree(flags)  # every shard, like every device of the axis, keeps or skips
+    finite = jnp.isfinite(flags)
+    kept = leaves.keep_if(finite, new, old)
+    return (parts.outputs(values, flags, shaped=not (scatter and axis_name is not None)),
+            LocoState(jnp.where(finite, optax.safe_increment(k), k),
+                      *[parts.tree(x, like) for x, like in zip(kept, fields)]))
 
+  init_fn = leaves.local_init(init_body, axis_name, specs, "loco")
+  update_fn = leaves.local_update(update_body, axis_name, specs,
+                                  flat_output=scatter and axis_name is not None, who="loco")
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 

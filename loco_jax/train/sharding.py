@@ -1,0 +1,237 @@
+"""PartitionSpecs of train states: data axes averaged over by hand, model axes left to GSPMD.
+
+A train step is manual (`jax.shard_map`) over the data axes only. Parameters keep the model
+sharding the user gave them (`NamedSharding` over the other axes); a compressor runs in a nested
+shard_map over the model axes, so each device compresses its own model shard, and its
+per-device state is split over the data axes and over the model axes of the leaf it belongs to.
+Every spec here is a full spec on the mesh; `restrict` keeps the part one shard_map declares.
+"""
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from loco_jax import comm, state_specs
+from loco_jax.train import mesh as mesh_lib
+
+
+def _axes(entry) -> tuple[str, ...]:
+  if entry is None or entry is P.UNCONSTRAINED:
+    return ()
+  return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _entry(axes: tuple[str, ...]):
+  return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
+def spec_axes(spec: P) -> tuple[str, ...]:
+  """Every mesh axis a PartitionSpec splits over, in order."""
+  return tuple(a for entry in spec for a in _axes(entry))
+
+
+def restrict(specs: Any, names: tuple[str, ...]) -> Any:
+  """The specs with only the axes in `names` (what a shard_map manual over `names` declares)."""
+  keep = lambda spec: P(*[_entry(tuple(a for a in _axes(e) if a in names)) for e in spec])
+  return jax.tree.map(keep, specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def model_axes(mesh: Mesh, data: tuple[str, ...]) -> tuple[str, ...]:
+  return tuple(a for a in mesh.axis_names if a not in data)
+
+
+def param_specs(params: Any, mesh: Mesh, data: tuple[str, ...]) -> Any:
+  """The params' PartitionSpecs on `mesh`, from their `NamedSharding`s (others: replicated)."""
+  def spec(path, x):
+    sharding = getattr(x, "sharding", None)
+    if sharding is None or sharding.is_fully_replicated:
+      return P()  # replicated, on whichever devices: device_put moves it
+    leaf = jax.tree_util.keystr(path) or "(the params themselves)"
+    if not isinstance(sharding, NamedSharding):
+      raise ValueError(f"param {leaf} has a {type(sharding).__name__}; place params with "
+                       f"jax.device_put(x, NamedSharding(mesh, P(...))) over the model axes "
+                       f"{model_axes(mesh, data)}, or as plain arrays (replicated)")
+    if dict(sharding.mesh.shape) != dict(mesh.shape):
+      raise ValueError(f"param {leaf} is placed on a mesh of axes {dict(sharding.mesh.shape)}, "
+                       f"the train step's mesh has {dict(mesh.shape)}: place it on that mesh")
+    on_data = [a for a in spec_axes(sharding.spec) if a in data]
+    if on_data:
+      raise ValueError(f"param {leaf} is split over the data axis {on_data[0]!r} "
+                       f"({sharding.spec}); the train step averages over {data} and splits "
+                       f"params over them itself (mode='zero2'): split params over the model "
+                       f"axes {model_axes(mesh, data)} only, e.g. P(None, 'model')")
+    return sharding.spec
+  return jax.tree_util.tree_map_with_path(spec, params)
+
+
+def local_shapes(like: Any, specs: Any, mesh: Mesh) -> Any:
+  """Each device's block of every leaf (ShapeDtypeStructs), as a shard_map over all axes sees it."""
+  def block(x, spec):
+    shape = list(x.shape)
+    for dim, entry in enumerate(spec):
+      parts = mesh_lib.axes_size(mesh, _axes(entry))
+      if shape[dim] % parts:
+        raise ValueError(f"a param of shape {tuple(x.shape)} split as {spec} has dimension "
+                         f"{dim} of {shape[dim]}, not divisible by its {parts} devices")
+      shape[dim] //= parts
+    return jax.ShapeDtypeStruct(tuple(shape), x.dtype)
+  return jax.tree.map(block, like, specs)
+
+
+def shapes_of(params: Any) -> Any:
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), params)
+
+
+def _per_device_shapes(init: Callable, params: Any, mesh: Mesh, data: tuple[str, ...]):
+  """`init(params)`'s shapes on one device (data axes bound, so init can ask their size), and
+  its data specs: `state_specs` splits fields that differ per device over the data axes."""
+  bound = lambda _: init(params)
+  for name in reversed(data):
+    bound = jax.vmap(bound, axis_name=name, axis_size=mesh.shape[name])
+  stacked = jax.eval_shape(bound, jnp.zeros([mesh.shape[a] for a in data]))
+  shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[len(data):], x.dtype), stacked)
+  return shapes, state_specs(stacked, _entry(data))
+
+
+def _with_param_index(tree: Any, params_like: Any) -> list[int | None]:
+  """For each leaf of `tree`: the index of the param leaf it belongs to, where it lies in a
+  subtree shaped like the params (adam's mu, LoCo's error), else None."""
+  treedef = jax.tree.structure(params_like)
+  like = lambda n: n is not None and jax.tree.structure(n) == treedef
+  def mark(node):
+    if like(node):
+      return treedef.unflatten(list(range(treedef.num_leaves)))
+    return -1
+  marks = jax.tree.leaves(jax.tree.map(mark, tree, is_leaf=like))
+  return [None if i < 0 else i for i in marks]
+
+
+def _trim(spec: P) -> P:
+  entries = list(spec)
+  while entries and entries[-1] is None:
+    entries.pop()
+  return P(*entries)
+
+
+def same_specs(a: Any, b: Any) -> bool:
+  """Two trees of PartitionSpecs that split alike (trailing Nones aside)."""
+  is_spec = lambda x: isinstance(x, P)
+  flat_a, def_a = jax.tree.flatten(a, is_leaf=is_spec)
+  flat_b, def_b = jax.tree.flatten(b, is_leaf=is_spec)
+  return def_a == def_b and all(_trim(x) == _trim(y) for x, y in zip(flat_a, flat_b))
+
+
+def _combine(model_spec: P, leaf_data: tuple[str, ...]) -> P:
+  """`model_spec` with the data axes `leaf_data` in front of its dimension 0."""
+  first = _axes(model_spec[0]) if len(model_spec) else ()
+  return _trim(P(_entry(leaf_data + first), *model_spec[1:]))
+
+
+def local_state_specs(init: Callable, params: Any, specs: Any, mesh: Mesh,
+                      data: tuple[str, ...], *, on_shards: bool = False) -> Any:
+  """Full specs of the state `init` makes from each device's own block of `params` (specs:
+  the params' full specs; `params` full-shaped, or master shards with `on_shards`).
+
+  Per device over the data axes: the fields `state_specs` names (LoCo's errors), or with
+  `on_shards` (zero2's optimizer) every array. Over the model axes: a leaf shaped like its
+  param's block is split like the param (adam's mu); any other array of a model-split param
+  (LoCo's flat error) is split over the param's model axes on dimension 0; an array of no param
+  over every model axis (each device keeps its own); scalars are replicated.
+  """
+  model = model_axes(mesh, data)
+  leaves, treedef = jax.tree.flatten(params)
+  spec_leaves = treedef.flatten_up_to(specs)
+  blocks = (leaves if on_shards else
+            jax.tree.leaves(local_shapes(shapes_of(params), specs, mesh)))
+  shapes, data_specs = _per_device_shapes(init, treedef.unflatten(blocks), mesh, data)
+  shape_leaves, state_def = jax.tree.flatten(shapes)
+  data_leaves = state_def.flatten_up_to(data_specs)
+  out = []
+  for x, d, i in zip(shape_leaves, data_leaves, _with_param_index(shapes, params)):
+    if not x.ndim:
+      out.append(d)
+      continue
+    leaf_data = data if on_shards else spec_axes(d)
+    if i is None:
+      model_spec = P(_entry(model))
+    elif x.shape == blocks[i].shape and not on_shards:
+      model_spec = restrict(spec_leaves[i], model)
+    else:
+      model_spec = P(_entry(tuple(a for a in spec_axes(spec_leaves[i]) if a in model)))
+    out.append(_combine(model_spec, leaf_data))
+  return state_def.unflatten(out)
+
+
+def global_state_specs(optimizer: optax.GradientTransformation, params: Any, specs: Any,
+                       mesh: Mesh, data: tuple[str, ...]) -> Any:
+  """Full specs of an optimizer state that GSPMD updates over the model axes (after the
+  average): a leaf shaped like its param is split like it (adam's mu), the rest replicated."""
+  model = model_axes(mesh, data)
+  shapes, data_specs = _per_device_shapes(optimizer.init, shapes_of(params), mesh, data)
+  if model and any(spec_axes(s) for s in jax.tree.leaves(data_specs)):
+    raise ValueError(
+        f"the optimizer holds per-device state (a compressor such as loco inside it); on a mesh "
+        f"with model axes {model} pass the averaging transformation as compressor= and the rest "
+        f"as the optimizer, e.g. compressor=loco(axis_name={_entry(data)!r}), "
+        f"optimizer=optax.adamw(...), so that it compresses each device's own model shard")
+  leaves, treedef = jax.tree.flatten(params)
+  spec_leaves = treedef.flatten_up_to(specs)
+  shape_leaves, state_def = jax.tree.flatten(shapes)
+  out = [spec_leaves[i] if i is not None and x.shape == jnp.shape(leaves[i]) and model
+         else d for x, d, i in zip(shape_leaves, state_def.flatten_up_to(data_specs),
+                                   _with_param_index(shapes, params))]
+  return state_def.unflatten(out)
+
+
+def opt_state_specs(optimizer: optax.GradientTransformation, params, mesh: Mesh,
+                    axis_name: str | tuple[str, ...]):
+  """PartitionSpecs of `optimizer.init(params)` inside shard_map: LoCo errors per device."""
+  data = mesh_lib.data_axes(mesh, axis_name)
+  return _per_device_shapes(optimizer.init, params, mesh, data)[1]
+
+
+def master_specs(specs: Any, mesh: Mesh, data: tuple[str, ...]) -> Any:
+  """zero2's float32 master shards: 1-D, split over the data axes and the param's model axes."""
+  model = model_axes(mesh, data)
+  return jax.tree.map(lambda s: P(_entry(data + tuple(a for a in spec_axes(s) if a in model))),
+                      specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def shard_params(params, mesh: Mesh, axis_name: str | tuple[str, ...] = "data"):
+  """Full params -> float32 master shards per leaf: a global 1-D array split over the data
+  axes (and over a model-split param's model axes: each device shards its own model block)."""
+  data = mesh_lib.data_axes(mesh, axis_name)
+  n = mesh_lib.axes_size(mesh, data)
+  specs = param_specs(params, mesh, data)
+
+  def shard(x):  # this device's model block -> its row over the data axes
+    rows = comm.shard_rows(jnp.ravel(x).astype(jnp.float32), comm.leaf_layout(x.size, n, None))
+    return rows[jax.lax.axis_index(data)]
+  placed = jax.device_put(params, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
+  return jax.jit(jax.shard_map(lambda p: jax.tree.map(shard, p), mesh=mesh, in_specs=(specs,),
+                               out_specs=master_specs(specs, mesh, data)))(placed)
+
+
+def unshard_params(shards, like, axis_name: str | tuple[str, ...] = "data"):
+  """Inverse of `shard_params`: the full leaves, shaped and typed like `like`. Where `like`'s
+  leaves are split over model axes (`NamedSharding`s, as given to `shard_params`), each
+  device gathers its model block over the data axes and the result is split like `like`."""
+  named = [x.sharding for x in jax.tree.leaves(like)
+           if isinstance(getattr(x, "sharding", None), NamedSharding)]
+  if named:
+    mesh = named[0].mesh
+    data = mesh_lib.data_axes(mesh, axis_name)
+    specs = param_specs(like, mesh, data)
+    if any(a not in data for s in jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
+           for a in spec_axes(s)):
+      blocks = local_shapes(shapes_of(like), specs, mesh)
+      gather = lambda s, b: jax.lax.all_gather(s, data, tiled=True)[: b.size].reshape(
+          b.shape).astype(b.dtype)
+      return jax.jit(jax.shard_map(lambda t: jax.tree.map(gather, t, blocks), mesh=mesh,
+                                   in_specs=(master_specs(specs, mesh, data),),
+                                   out_specs=specs, check_vma=False))(shards)  # gathered
+  return jax.tree.map(lambda s, x: s[: x.size].reshape(x.shape).astype(x.dtype), shards, like)

@@ -1,0 +1,81 @@
+"""The leaf core (`core.leaves`): which leaves are compressed, flat vectors out and back, local
+block shapes and specs, keep-or-skip."""
+
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from jax.sharding import PartitionSpec as P
+
+from loco_jax.core import leaves
+
+DTYPES = (jnp.float32, jnp.float16, jnp.bfloat16, jnp.int32, jnp.bool_)
+
+
+@st.composite
+def _trees(draw):
+  shapes = draw(st.lists(st.lists(st.integers(0, 4), max_size=3), min_size=1, max_size=5))
+  dtypes = draw(st.lists(st.sampled_from(DTYPES), min_size=len(shapes), max_size=len(shapes)))
+  return {f"leaf{i}": jnp.arange(int(np.prod(s)), dtype=jnp.float32).reshape(s).astype(d)
+          for i, (s, d) in enumerate(zip(shapes, dtypes))}
+
+
+@settings(max_examples=25, deadline=None)
+@given(_trees())
+def test_split_chooses_float_leaves_with_elements_and_outputs_restore_them(tree):
+  parts = leaves.split(tree)
+  expected = [i for i, x in enumerate(jax.tree.leaves(tree))
+              if jnp.issubdtype(x.dtype, jnp.floating) and x.size > 0]
+  assert parts.chosen == expected
+  assert parts.groups == ([expected] if expected else [])  # no manual axes: one group
+  assert parts.spread == ()
+  values = [parts.flat(i) if i in parts.chosen else None for i in range(len(parts.leaves))]
+  assert all(v.dtype == jnp.float32 and v.ndim == 1 for v in values if v is not None)
+  out = parts.outputs(values, jnp.float32(0))
+  for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(tree)):
+    assert a.shape == b.shape and a.dtype == b.dtype
+    np.testing.assert_array_equal(np.asarray(a, np.float64), np.asarray(b, np.float64))
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.sampled_from([None, "data", "model", ("data", "model")]), min_size=1,
+                max_size=3), st.sets(st.sampled_from(["data", "model"])))
+def test_local_shape_and_kept_axes(entries, kept):
+  sizes = {"data": 4, "model": 2}
+  spec = P(*entries)
+  shape = tuple(8 * (i + 1) for i in range(len(entries)))
+  local = leaves._local_shape(shape, spec, sizes)
+  for n, block, entry in zip(shape, local, entries):
+    names = () if entry is None else (entry,) if isinstance(entry, str) else entry
+    assert block * int(np.prod([sizes[a] for a in names])) == n
+  only = leaves._keep_axes(spec, set(kept))
+  assert sorted(leaves._axes_of(only)) == sorted(a for a in leaves._axes_of(spec) if a in kept)
+
+
+def test_a_flag_of_nan_skips_the_state_and_poisons_every_output():
+  tree = {"w": jnp.ones((2, 3)), "n": jnp.arange(3)}
+  parts = leaves.split(tree)
+  new, old = [jnp.zeros(6)], [jnp.ones(6)]
+  flags = leaves.flag(jnp.bool_(False)) + leaves.flag(jnp.bool_(True))
+  np.testing.assert_array_equal(leaves.keep_if(jnp.isfinite(flags), new, old)[0], old[0])
+  out = parts.outputs([None, parts.flat(1)], flags)
+  assert np.all(np.isnan(out["w"])) and np.array_equal(out["n"], tree["n"])
+
+
+def test_vary_like_types_a_replicated_value_as_this_devices_own():
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+
+  def body(x):
+    y = leaves.vary_like(jnp.zeros((1,)), x)
+    return jax.lax.cond(x[0] > 0, lambda: y, lambda: x[:1])  # the branches' types must agree
+
+  out = jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P("data"))(
+      jnp.arange(8.0))
+  assert out.shape == (8,)
+
+
+def test_specs_without_a_mesh_are_refused():
+  with pytest.raises(ValueError, match="needs a mesh"):
+    leaves._layout({"w": jnp.ones(4)}, None, {"w": P("model")}, "loco")

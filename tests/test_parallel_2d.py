@@ -1,0 +1,304 @@
+"""Train steps on (data, model) and (node, local) meshes of 8 CPU devices: params keep their
+model sharding, LoCo compresses each device's own model shard, two_hop through the builders."""
+
+import collections
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from loco_jax import comm, loco, two_hop
+from loco_jax.train import parallel, sharding
+from loco_jax.transforms import baselines
+
+DATA, MODEL = 4, 2
+# The MLP's matrices split over 'model' the Megatron way (columns of w1, rows of w2), b1 with
+# w1's columns; b2 replicated.
+SPECS = {"w1": P(None, "model"), "b1": P("model"), "w2": P("model", None), "b2": P()}
+
+
+def _mesh():
+  return jax.make_mesh((DATA, MODEL), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+
+
+def _raw_params():
+  k1, k2 = jax.random.split(jax.random.key(0))
+  return {"w1": jax.random.normal(k1, (16, 64)) * 0.3, "b1": jnp.zeros(64),
+          "w2": jax.random.normal(k2, (64, 4)) * 0.3, "b2": jnp.zeros(4)}
+
+
+def _placed(mesh):
+  return jax.device_put(_raw_params(), {k: NamedSharding(mesh, s) for k, s in SPECS.items()})
+
+
+def _loss(params, batch):
+  h = jnp.tanh(batch[:, :16] @ params["w1"] + params["b1"])
+  return jnp.mean((h @ params["w2"] + params["b2"] - batch[:, 16:]) ** 2)
+
+
+def _batches(steps, size=32):
+  rng = np.random.default_rng(0)
+  teacher = rng.standard_normal((16, 4))
+  out = []
+  for _ in range(steps):
+    x = rng.standard_normal((size, 16)).astype(np.float32)
+    out.append(jnp.asarray(np.concatenate([x, np.tanh(x @ teacher)], axis=1), jnp.float32))
+  return out
+
+
+def _train(mesh, params, compressor, optimizer=None, steps=4, mode="ddp", axis_name="data",
+           loss_fn=_loss):
+  optimizer = optimizer or optax.adam(1e-2)
+  state, specs = parallel.init_train_state(params, optimizer, mesh, compressor=compressor,
+                                           mode=mode, axis_name=axis_name)
+  step = parallel.make_train_step(loss_fn, optimizer, mesh, specs, params,
+                                  compressor=compressor, mode=mode, axis_name=axis_name)
+  losses = []
+  for batch in _batches(steps):
+    state, loss = step(state, batch)
+    losses.append(float(loss))
+  return losses, state, specs, step
+
+
+def _specs_of(tree):
+  return jax.tree.map(lambda x: x.sharding.spec, tree)
+
+
+def test_ddp_keeps_model_sharding_and_matches_the_data_mesh():
+  mesh = _mesh()
+  fp32_2d, state, specs, _ = _train(mesh, _placed(mesh), baselines.uncompressed("data"))
+  fp32_1d, _, _, _ = _train(parallel.data_mesh(DATA), _raw_params(),
+                            baselines.uncompressed("data"))
+  # The same math on both meshes (only the order of float sums differs).
+  np.testing.assert_allclose(fp32_2d, fp32_1d, rtol=1e-5)
+  assert fp32_2d[-1] < 0.7 * fp32_2d[0]
+  for name, spec in SPECS.items():  # params and adam's moments stay split like the params
+    assert sharding.same_specs(state.params[name].sharding.spec, spec), name
+    assert sharding.same_specs(state.opt_state[0].mu[name].sharding.spec, spec), name
+    assert state.params[name].sharding.mesh.shape == mesh.shape
+
+
+@functools.cache
+def _loco_runs():
+  """LoCo ddp on the (data, model) mesh and on the 1-D mesh of the data axis alone."""
+  mesh = _mesh()
+  return (_train(mesh, _placed(mesh), loco(axis_name="data")),
+          _train(parallel.data_mesh(DATA), _raw_params(), loco(axis_name="data")))
+
+
+@functools.cache
+def _loco_collectives():
+  batch = _batches(1)[0]
+  return [comm.compiled_collectives(step.jitted, state, batch)
+          for _, state, _, step in _loco_runs()]
+
+
+def test_ddp_with_loco_compresses_model_shards_and_trains_like_the_data_mesh():
+  (losses, state, _, _), (loco_1d, _, _, _) = _loco_runs()
+  for name, spec in SPECS.items():
+    assert sharding.same_specs(state.params[name].sharding.spec, spec), name
+  # LoCo's errors differ per device: over 'data', and over 'model' where the leaf is split.
+  error = _specs_of(state.compressor_state.error)
+  assert error["w1"] == P(("data", "model")) and error["b2"] == P("data")
+  assert state.compressor_state.error["w1"].size == DATA * 16 * 64  # one error per element
+  # 4-bit rounding with error feedback on other blocks (model shards): close, not equal.
+  np.testing.assert_allclose(losses, loco_1d, rtol=0.03)
+  assert losses[-1] < 0.7 * losses[0]
+
+
+def test_one_loco_step_is_the_mean_gradient_within_4_bit_rounding():
+  mesh, lr = _mesh(), 1.0
+  batch = _batches(1)[0]
+  _, state, _, _ = _train(mesh, _placed(mesh), loco(axis_name="data"), optax.sgd(lr), steps=1)
+  # Independent reference: per data rank, the gradient on its quarter of the batch.
+  params = _raw_params()
+  grads = [jax.grad(_loss)(params, chunk) for chunk in jnp.split(batch, DATA)]
+  for name in SPECS:
+    got = (np.asarray(params[name], np.float64) - np.asarray(state.params[name])) / lr
+    per_device = np.stack([np.asarray(g[name], np.float64) for g in grads])
+    mean = per_device.mean(0)
+    # Each device's 4-bit code is within half a step (absmax / 7) of its gradient; the bf16
+    # gather adds 2**-8 relative.
+    bound = np.abs(per_device).max() / 14 + np.abs(mean) * 2.0 ** -8 + 1e-6
+    assert np.all(np.abs(got - mean) <= bound), name
+
+
+def _collectives(compressor, mesh, params):
+  _, state, _, step = _train(mesh, params, compressor, steps=0)
+  return comm.compiled_collectives(step.jitted, state, _batches(1)[0])
+
+
+def test_compiled_collectives_over_model_are_the_models_own():
+  mesh = _mesh()
+  over = lambda found: collections.Counter(
+      (c.op, c.dtype, c.nbytes) for c in found if c.group_size == MODEL)
+  fp32 = _collectives(baselines.uncompressed("data"), mesh, _placed(mesh))
+  compressed = _loco_collectives()[0]
+  # LoCo on global leaves would all-gather the model-split gradients over 'model' and send
+  # f32 all-to-alls there; on each device's own shard it adds nothing over 'model' but the
+  # 4-byte flag that makes the shards keep or skip a step together.
+  extra = over(compressed) - over(fp32)
+  assert not over(fp32) - over(compressed), (over(fp32), over(compressed))
+  assert sum(extra.values()) <= 1 and all(op == "all-reduce" and nbytes == 4
+                                          for op, _, nbytes in extra), extra
+  assert not any(c.op == "all-gather" for c in compressed if c.group_size == MODEL)
+  assert any(c.op == "all-to-all" for c in compressed if c.group_size == DATA)
+
+
+def test_bytes_over_data_scale_with_the_model_shard():
+  # Each model rank sends the codes of its half of each split leaf: half the 1-D mesh's bytes.
+  data_bytes = lambda found: sum(c.nbytes for c in found
+                                 if c.group_size == DATA and c.op != "all-reduce")
+  two_d, one_d = map(data_bytes, _loco_collectives())
+  assert 0.4 * one_d < two_d < 0.6 * one_d, (two_d, one_d)
+
+
+def test_zero2_on_a_data_model_mesh():
+  mesh = _mesh()
+  plain_2d, state, specs, _ = _train(mesh, _placed(mesh), parallel.reduce_scatter("data"),
+                                     mode="zero2")
+  plain_1d, state_1d, _, _ = _train(parallel.data_mesh(DATA), _raw_params(),
+                                    parallel.reduce_scatter("data"), mode="zero2")
+  np.testing.assert_allclose(plain_2d, plain_1d, rtol=1e-5)
+  # Master shards and adam's moments: split over 'data' and, for a model-split leaf, 'model'.
+  assert _specs_of(state.params)["w1"] == P(("data", "model"))
+  assert _specs_of(state.opt_state[0].nu)["b2"] == P("data")
+  assert state.params["w1"].size == DATA * MODEL * comm.shard_len(16 * 32, DATA)
+  full = parallel.unshard_params(state.params, _placed(mesh))
+  full_1d = parallel.unshard_params(state_1d.params, _raw_params())
+  for name, spec in SPECS.items():
+    assert sharding.same_specs(full[name].sharding.spec, spec), name
+    np.testing.assert_allclose(np.asarray(full[name]), np.asarray(full_1d[name]), rtol=1e-5,
+                               atol=1e-7)
+
+
+def test_zero2_with_loco_on_a_data_model_mesh_trains_like_uncompressed():
+  mesh = _mesh()
+  compressed, state, _, _ = _train(mesh, _placed(mesh), loco(axis_name="data", scatter=True),
+                                   mode="zero2")
+  plain, _, _, _ = _train(mesh, _placed(mesh), parallel.reduce_scatter("data"), mode="zero2")
+  np.testing.assert_allclose(compressed, plain, rtol=0.03)
+  assert _specs_of(state.compressor_state.error)["w2"] == P(("data", "model"))
+
+
+def test_two_hop_through_make_train_step_splits_the_batch_over_both_axes():
+  mesh = parallel.node_mesh(2, 4)
+  seen = []
+  def loss_fn(params, batch):
+    seen.append(batch.shape[0])
+    return _loss(params, batch)
+  axes = ("node", "local")
+  losses, state, specs, _ = _train(mesh, _raw_params(), two_hop("node", "local"),
+                                   axis_name=axes, loss_fn=loss_fn)
+  assert set(seen) == {32 // 8}  # each device its own eighth of the batch: no duplicated work
+  assert specs.compressor_state.node_error["w1"] == P(axes)
+  fp32, _, _, _ = _train(parallel.data_mesh(8), _raw_params(), baselines.uncompressed("data"))
+  np.testing.assert_allclose(losses, fp32, rtol=0.03)
+
+
+def test_zero2_over_two_data_axes_matches_the_data_mesh():
+  axes = ("node", "local")
+  losses, _, specs, _ = _train(parallel.node_mesh(2, 4), _raw_params(),
+                               parallel.reduce_scatter(axes), mode="zero2", axis_name=axes)
+  assert specs.params["w1"] == P(axes)
+  flat, _, _, _ = _train(parallel.data_mesh(8), _raw_params(), parallel.reduce_scatter("data"),
+                         mode="zero2")
+  np.testing.assert_allclose(losses, flat, rtol=1e-5)
+
+
+def test_a_nonfinite_gradient_in_one_model_shard_is_skipped_on_every_device():
+  mesh = _mesh()
+  def loss_fn(params, batch):
+    # Finite loss, NaN gradient only in w1's column 0 (model rank 0's shard): 0 * sqrt'(-1).
+    w = params["w1"][:, :1]
+    return _loss(params, batch) + jnp.sum(jnp.where(w > 1e9, jnp.sqrt(w - 1e9), 0.0))
+  _, state, _, _ = _train(mesh, _placed(mesh), loco(axis_name="data"), steps=1,
+                          loss_fn=loss_fn)
+  assert int(state.compressor_state.count) == 0
+  for error in jax.tree.leaves(state.compressor_state.error):  # kept (zero) on every device
+    assert not np.any(np.asarray(error)), error.sharding
+  for name in SPECS:  # LoCo's output is NaN on every shard, split or replicated, so adam's is
+    assert np.isnan(np.asarray(state.params[name])).all(), name
+
+
+def test_an_explicit_data_model_mesh_keeps_the_params_sharding():
+  mesh = jax.make_mesh((DATA, MODEL), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+  params = jax.device_put(_raw_params(), {k: NamedSharding(mesh, s) for k, s in SPECS.items()})
+  def loss_fn(p, batch):  # sharding in types: the contraction over 'model' names its output
+    h = jnp.tanh(batch[:, :16] @ p["w1"] + p["b1"])
+    out = jnp.matmul(h, p["w2"], out_sharding=P(None, None))
+    return jnp.mean((out + p["b2"] - batch[:, 16:]) ** 2)
+  losses, state, _, _ = _train(mesh, params, loco(axis_name="data"), steps=2, loss_fn=loss_fn)
+  np.testing.assert_allclose(losses[0], _loss(_raw_params(), _batches(1)[0]), rtol=1e-5)
+  assert losses[1] < losses[0]
+  for name, spec in SPECS.items():
+    assert sharding.same_specs(state.params[name].sharding.spec, spec), name
+  assert _specs_of(state.compressor_state.error)["w1"] == P(("data", "model"))
+
+
+def test_what_the_builders_cannot_do_raises():
+  mesh, opt = _mesh(), optax.adam(1e-2)
+  node = parallel.node_mesh(2, 4)
+  with pytest.raises(ValueError, match=r"'node' is not an axis of the mesh, whose axes are "
+                                       r"\('data', 'model'\)"):
+    parallel.init_train_state(_placed(mesh), opt, mesh, compressor=loco(axis_name="data"),
+                              axis_name=("node", "data"))
+  with pytest.raises(ValueError, match=r"'node' is not in axis_name='local' and splits no "
+                                       r"param.*axis_name=\('node', 'local'\)"):
+    parallel.init_train_state(_raw_params(), opt, node, compressor=two_hop(),
+                              axis_name="local")
+  with pytest.raises(ValueError, match="names an axis twice"):
+    parallel.init_train_state(_raw_params(), opt, node, compressor=two_hop(),
+                              axis_name=("node", "node"))
+  with pytest.raises(ValueError, match="mode='fsdp' runs on a mesh of one data axis"):
+    parallel.init_train_state(_placed(mesh), opt, mesh, compressor=loco(axis_name="data"),
+                              mode="fsdp")
+  with pytest.raises(ValueError, match="pass the averaging transformation as compressor="):
+    parallel.init_train_state(_placed(mesh), optax.chain(loco(axis_name="data"), opt), mesh)
+  with pytest.raises(ValueError, match="the optimizer holds per-device state"):
+    parallel.init_train_state(_placed(mesh), optax.chain(loco(axis_name="data"), opt), mesh,
+                              compressor=loco(axis_name="data"))
+  on_data = jax.device_put(_raw_params(), NamedSharding(mesh, P("data")))
+  with pytest.raises(ValueError, match=r"param \['b1'\] is split over the data axis 'data'"):
+    parallel.init_train_state(on_data, opt, mesh, compressor=loco(axis_name="data"))
+  _, specs = parallel.init_train_state(_placed(mesh), opt, mesh,
+                                       compressor=loco(axis_name="data"))
+  other = jax.device_put(_raw_params(), {k: NamedSharding(mesh, s) for k, s in
+                                         {**SPECS, "w1": P("model", None)}.items()})
+  with pytest.raises(ValueError, match="not those of params_like's shardings"):
+    parallel.make_train_step(_loss, opt, mesh, specs, other, compressor=loco(axis_name="data"))
+
+
+@functools.cache
+def _fp32_step_reference():
+  _, state, _, _ = _train(parallel.data_mesh(DATA), _raw_params(),
+                          baselines.uncompressed("data"), steps=1)
+  return jax.tree.map(np.asarray, state.params)
+
+
+@settings(max_examples=4, deadline=None)
+@given(st.fixed_dictionaries({name: st.sampled_from(
+    [P()] + [P(*[None] * dim, "model") for dim in range(ndim)])
+    for name, ndim in (("w1", 2), ("b1", 1), ("w2", 2))}))
+def test_any_model_placement_trains_like_the_data_mesh_and_is_kept(placement):
+  mesh = _mesh()
+  placement = {**placement, "b2": P()}
+  params = jax.device_put(_raw_params(), {k: NamedSharding(mesh, s) for k, s in placement.items()})
+  if not any(placement.values()):  # 'model' would split nothing: every model rank repeats all
+    with pytest.raises(ValueError, match="'model' is not in axis_name='data' and splits no"):
+      parallel.init_train_state(params, optax.adam(1e-2), mesh,
+                                compressor=baselines.uncompressed("data"))
+    return
+  _, state, specs, _ = _train(mesh, params, baselines.uncompressed("data"), steps=1)
+  for name, spec in placement.items():
+    assert sharding.same_specs(state.params[name].sharding.spec, spec), (name, spec)
+    assert sharding.same_specs(specs.opt_state[0].nu[name], spec), (name, spec)
+    np.testing.assert_allclose(np.asarray(state.params[name]), _fp32_step_reference()[name],
+                               rtol=1e-5, atol=1e-7)
