@@ -2,8 +2,8 @@
 
 Compiles one train step of a 12-layer GPT (gpt.layered_model) in each setting and reads the
 compiled program: `memory_analysis()` for the per-device peak (arguments + outputs - donated
-aliases + temp), `fsdp.collectives_per_step` for the bits each device sends per parameter
-(loops counted once per iteration), `fsdp.async_collectives` for overlap. Nothing is trained.
+aliases + temp), `comm.collectives_per_step` for the bits each device sends per parameter
+(loops counted once per iteration), `comm.async_collectives` for overlap. Nothing is trained.
   python experiments/fsdp_report.py
 """
 
@@ -36,12 +36,12 @@ def measure(mode: str, compressor, **options) -> dict:
   text = compiled.as_text()
   n_params = sum(x.size for x in jax.tree.leaves(params))
   bits = {}
-  for c in fsdp.collectives_per_step(text, N):
+  for c in comm.collectives_per_step(text, N):
     bits[c.op] = bits.get(c.op, 0.0) + comm.wire_bits_per_param([c], n_params)
   return dict(peak=(m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
                     + m.temp_size_in_bytes),
               arguments=m.argument_size_in_bytes, temp=m.temp_size_in_bytes, bits=bits,
-              overlapped=fsdp.async_collectives(text), n_params=n_params)
+              overlapped=comm.async_collectives(text), n_params=n_params)
 
 
 def main() -> None:

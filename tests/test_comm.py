@@ -139,3 +139,15 @@ def test_a_tree_with_nothing_to_compress_passes_through(mesh):
   out, state = step(params, state)
   np.testing.assert_array_equal(np.asarray(out["step"]), 0)
   assert int(state.count) == 1
+
+
+def test_compiled_collectives_counts_a_scans_collectives_once_per_iteration(mesh):
+  # What one call sends: a psum in the body of a 3-step scan runs 3 times (fsdp's scan over
+  # layers), not once as in the program text.
+  def body(x, _):
+    return x + jax.lax.psum(x, "data") * 0.5, None
+  step = jax.jit(jax.shard_map(lambda x: jax.lax.scan(body, x, None, length=3)[0], mesh=mesh,
+                               in_specs=P("data"), out_specs=P("data")))
+  x = jnp.ones((8, 16), jnp.float32)
+  found = [c for c in comm.compiled_collectives(step, x) if c.op == "all-reduce"]
+  assert len(found) == 3 and all(c.nbytes == 64 for c in found)

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 
 import train_worker
-from loco_jax import loco
+from loco_jax import comm, loco
 from loco_jax.train import checkpoint, fsdp, parallel
 from loco_jax.apps.models import gpt
 
@@ -111,7 +111,7 @@ def test_loco_fsdp_matches_loco_zero2_in_training_and_wire_bytes(param_gather, s
     # blocks leave remainders whose block lengths LoCo chooses per tree.
     state, step = _setup(mode, loco(axis_name="data", scatter=True, block_size=8),
                          compute_dtype=jnp.bfloat16, param_gather=param_gather)
-    found[mode] = fsdp.collectives_per_step(
+    found[mode] = comm.collectives_per_step(
         step.jitted.lower(state, batches[0]).compile().as_text(), N)
     losses[mode] = []
     for b in batches:
@@ -156,9 +156,9 @@ def test_collectives_per_step_counts_every_loop_iteration():
     text = jitted.lower(jnp.ones(N)).compile().as_text()
     if count is None:
       with pytest.raises(ValueError, match="trip count"):
-        fsdp.collectives_per_step(text, N)
+        comm.collectives_per_step(text, N)
     else:
-      found = fsdp.collectives_per_step(text, N)
+      found = comm.collectives_per_step(text, N)
       assert [c.op for c in found] == ["all-reduce"] * count, found
 
 
@@ -366,6 +366,6 @@ ENTRY %main (p: bf16[8]) -> bf16[64] {
   ROOT %a = bf16[64]{0} add(%all-gather-done, %all-gather-done.1)
 }
 """
-  assert fsdp.async_collectives(text) == {"all-gather": 1}
-  assert fsdp.async_collectives(text.replace("  %m = bf16[8]{0} multiply(%p, %p)\n", "")) == {
+  assert comm.async_collectives(text) == {"all-gather": 1}
+  assert comm.async_collectives(text.replace("  %m = bf16[8]{0} multiply(%p, %p)\n", "")) == {
       "all-gather": 0}

@@ -137,7 +137,7 @@ def _train(method: str, config, corpus, mesh, interface: str, jax, jnp, P):
   from loco_jax import comm, loco
   from loco_jax.apps import demo
   from loco_jax.apps.models import num_params
-  from loco_jax.train import fsdp, parallel
+  from loco_jax.train import parallel
   from loco_jax.transforms import baselines
   mode, _, wire = method.rpartition("-") if method.startswith(("zero2-", "fsdp-")) else (
       "ddp", "", method)
@@ -165,7 +165,7 @@ def _train(method: str, config, corpus, mesh, interface: str, jax, jnp, P):
              for b in corpus.train_SxBxL]
   compiled_text = step.jitted.lower(state, batches[0]).compile().as_text()
   # Per step: a collective in fsdp's scan over layers runs once per layer.
-  found = fsdp.collectives_per_step(compiled_text, jax.device_count())
+  found = comm.collectives_per_step(compiled_text, jax.device_count())
   n_params = num_params(params)
   times, warm = [], 2
   tx0 = None
@@ -199,7 +199,7 @@ def _train(method: str, config, corpus, mesh, interface: str, jax, jnp, P):
           "measured_bits_per_param": 8 * sent / (timed * n_params),
           "predicted_bits_per_param": comm.wire_bits_per_param(found, n_params),
           # Async collectives with compute scheduled between start and done (overlap).
-          "overlapped_collectives": sum(fsdp.async_collectives(compiled_text).values())}
+          "overlapped_collectives": sum(comm.async_collectives(compiled_text).values())}
 
 
 _DTYPES = {"u8": "uint8", "s8": "int8", "u16": "uint16", "s16": "int16", "bf16": "uint16",

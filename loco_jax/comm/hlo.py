@@ -94,7 +94,8 @@ def lowered_collectives(fn, *args, num_devices: int | None = None) -> list[Colle
 
 
 def compiled_collectives(fn, *args, num_devices: int | None = None) -> list[Collective]:
-  """Compiles `fn` on `args` for this backend and lists the collectives the program runs.
+  """Compiles `fn` on `args` for this backend and lists the collectives one call runs
+  (`collectives_per_step`: one in a scan's body once per iteration).
 
   What crosses the wire: the backend's compiler may rewrite collectives after lowering (XLA:CPU
   widens 16-bit float ones to float32), so where the lowered and compiled HLO differ, this one
@@ -102,7 +103,77 @@ def compiled_collectives(fn, *args, num_devices: int | None = None) -> list[Coll
   """
   jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
   text = jitted.lower(*args).compile().as_text()
-  return collectives(text, num_devices or jax.device_count())
+  return collectives_per_step(text, num_devices or jax.device_count())
+
+
+_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_CALLEE = re.compile(r"(calls|to_apply|body|condition|true_computation|false_computation)="
+                     r"%?([\w.\-]+)|branch_computations=\{([^}]*)\}")
+_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+
+
+def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
+  """{name: its lines} of every computation, and the entry's name."""
+  found, name, entry = {}, None, None
+  for line in hlo_text.splitlines():
+    header = _HEADER.match(line)
+    if header:
+      name = header.group(2)
+      found[name] = [line]
+      entry = name if header.group(1) else entry
+    elif name is not None:
+      found[name].append(line)
+  if entry is None:
+    raise ValueError("no ENTRY computation in the HLO text: pass compiled.as_text()")
+  return found, entry
+
+
+def collectives_per_step(hlo_text: str, num_devices: int) -> list[Collective]:
+  """Every collective a step runs, from compiled HLO text: one in a while loop's body (a scan
+  over layers) is listed once per iteration (XLA's known_trip_count; nested loops multiply),
+  one in a conditional's branch is marked `conditional`. Feed it to `wire_bits_per_param`.
+
+  A ValueError if a loop whose trip count XLA does not know holds a collective.
+  """
+  comps, entry = _computations(hlo_text)
+
+  def visit(name: str, conditional: bool) -> list[Collective]:
+    lines = comps[name]
+    found = [c._replace(conditional=c.conditional or conditional) for c in collectives(
+        "\n".join(lines), num_devices)]
+    for line in lines[1:]:
+      trips = _TRIPS.search(line)
+      for kind, callee, branches in _CALLEE.findall(line):
+        for child in ([callee] if callee else [b.strip().lstrip("%") for b in branches.split(",")]):
+          inner = visit(child, conditional or bool(branches) or kind.endswith("computation"))
+          if kind == "body" and inner:
+            if not trips:
+              raise ValueError(f"the while loop with body {child} holds collectives but XLA "
+                               f"does not know its trip count: cannot count them per step")
+            inner = inner * int(trips.group(1))
+          found += inner
+    return found
+
+  return visit(entry, False)
+
+
+def async_collectives(hlo_text: str) -> dict[str, int]:
+  """Per collective kind, how many async start/done pairs of the compiled program have other
+  instructions scheduled between them (work that can overlap the transfer)."""
+  overlapped: dict[str, int] = {}
+  for lines in _computations(hlo_text)[0].values():
+    open_starts: dict[str, tuple[str, int]] = {}
+    for i, line in enumerate(lines):
+      start = re.search(r"%([\w.\-]+) = .*?\s([\w\-]+)-start\(", line)
+      if start:
+        open_starts[start.group(1)] = (start.group(2), i)
+        continue
+      done = re.search(r"[\w\-]+-done\(.*?%([\w.\-]+)\)", line)
+      if done and done.group(1) in open_starts:
+        kind, at = open_starts.pop(done.group(1))
+        overlapped.setdefault(kind, 0)
+        overlapped[kind] += i - at > 1
+  return overlapped
 
 
 def wire_bits_per_param(found: Sequence[Collective], n_params: int,
