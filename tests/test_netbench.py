@@ -90,6 +90,7 @@ def test_without_root_or_tools_it_exits_2_naming_what_is_missing(monkeypatch, ca
     (["--train-model", "512,1,3072"], "--train-model"),
     (["--train-model", "100,1,64,8"], "n_heads dividing d_model"),
     (["--train-steps", "2"], "--train-steps"),
+    (["--param-gather", "fp16"], "--param-gather"),
     (["--devices-per-host", "3", "--batch-per-host", "4"], "--batch-per-host"),
 ])
 def test_bad_arguments_exit_2_saying_what_is_accepted(argv, message, capsys):

@@ -26,7 +26,7 @@ from typing import Sequence
 
 from loco_jax.apps import netns
 from loco_jax.train import files
-from loco_jax.apps.netbench_worker import METHODS, TRAIN_METHODS
+from loco_jax.apps.netbench_worker import METHODS, PARAM_GATHERS, TRAIN_METHODS
 
 DEFAULT_METHODS = ",".join(METHODS)
 COORDINATOR_PORT = 12355      # inside our own namespaces: no other listener can hold it
@@ -66,6 +66,9 @@ def _parser() -> argparse.ArgumentParser:
                  help="sequences per host and step (2: fp32's step is 2/3 exchange at 4 hosts, "
                       "1 Gb/s, docs/NETWORK.md)")
   p.add_argument("--seq-len", type=int, default=64)
+  p.add_argument("--param-gather", default="float32",
+                 help=f"zero2 and fsdp's parameter gathers, one of {','.join(PARAM_GATHERS)}: "
+                      "the compute dtype, or int8 with block scales")
   p.add_argument("--json", default=None, help="write the records to this file")
   p.add_argument("--png", default=None, help="plot step time against link rate (matplotlib)")
   return p
@@ -99,6 +102,9 @@ def _check_args(args) -> list[str]:
     for name in ("train_steps", "batch_per_host", "seq_len"):
       if getattr(args, name) < 1:
         raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.param_gather not in PARAM_GATHERS:
+      raise ValueError(f"--param-gather must be one of {PARAM_GATHERS}, got "
+                       f"{args.param_gather!r}")
     if args.train_steps < 3:
       raise ValueError(f"--train-steps must be >= 3 (2 are not timed), got {args.train_steps}")
     if args.batch_per_host % args.devices_per_host:
@@ -136,7 +142,7 @@ def run_hosts(net: netns.Network, args, workdir: str) -> list[dict]:
       if not args.exchange_only:
         cmd += ["--train-methods", args.train_methods, "--train-steps", str(args.train_steps),
                 "--train-model", args.train_model, "--batch-per-host", str(args.batch_per_host),
-                "--seq-len", str(args.seq_len)]
+                "--seq-len", str(args.seq_len), "--param-gather", args.param_gather]
       procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                     preexec_fn=_die_with_parent))
     deadline = time.monotonic() + args.timeout + 10

@@ -19,6 +19,8 @@ METHODS = ("fp32", "bf16", "loco", "loco-quantized", "int4", "zero2-fp32", "zero
 # method's step into compute + exchange (for zero2 and fsdp the rest includes their gathers).
 TRAIN_METHODS = ("fp32", "bf16", "loco", "loco-quantized", "zero2-fp32", "zero2-loco",
                  "fsdp-fp32", "fsdp-loco")
+# zero2 and fsdp gather the parameters in the compute dtype, or as int8 with block scales.
+PARAM_GATHERS = ("float32", "bfloat16", "int8")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -41,6 +43,7 @@ def _parser() -> argparse.ArgumentParser:
                  help="the demo GPT's d_model,n_layers,d_ff,n_heads")
   p.add_argument("--batch-per-host", type=int, default=2)
   p.add_argument("--seq-len", type=int, default=64)
+  p.add_argument("--param-gather", choices=PARAM_GATHERS, default="float32")
   return p
 
 
@@ -130,7 +133,8 @@ def _sharded_model(mode: str, config):
   return params, model, fsdp.layered_loss(model), fsdp.unshard_params
 
 
-def _train(method: str, config, corpus, mesh, interface: str, jax, jnp, P):
+def _train(method: str, config, corpus, mesh, interface: str, jax, jnp, P,
+           param_gather: str = "float32"):
   """Trains the demo GPT with `method` averaging the gradients; this host's record."""
   import numpy as np
   from jax.sharding import NamedSharding
@@ -158,8 +162,10 @@ def _train(method: str, config, corpus, mesh, interface: str, jax, jnp, P):
   if compressor is None:
     step = _step_without_exchange(loss_fn, optimizer, mesh, specs, jax, P)
   else:
+    gather = {} if mode == "ddp" else {"bfloat16": {"compute_dtype": jnp.bfloat16},
+                                       "int8": {"param_gather": "int8"}}.get(param_gather, {})
     step = parallel.make_train_step(loss_fn, optimizer, mesh, specs, params,
-                                    compressor=compressor, mode=mode)
+                                    compressor=compressor, mode=mode, **gather)
   sharding = NamedSharding(mesh, P("data"))
   batches = [jax.make_array_from_callback(b.shape, sharding, lambda idx, b=b: b[idx])
              for b in corpus.train_SxBxL]
@@ -313,7 +319,8 @@ def main(argv=None) -> int:
     # "compute" first: the step without the exchange, for every method's split.
     for method in ["compute", *[m for m in args.train_methods.split(",") if m]]:
       jax.block_until_ready(barrier(ones))
-      record = _train(method, config, corpus, mesh, args.interface, jax, jnp, P)
+      record = _train(method, config, corpus, mesh, args.interface, jax, jnp, P,
+                      args.param_gather)
       print(json.dumps({"train": {**record, "host": args.process_id}}), flush=True)
   jax.distributed.shutdown()
   return 0
