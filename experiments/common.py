@@ -57,10 +57,9 @@ def fp32_error_loco(bits: int, beta: float, block_size: int = 2048, axis_name: s
                     scale_method: str = "absmax", clip_rms: float | None = None):
   """LoCo's update e' = beta e + (1 - beta)(h - d) with e kept in float32, on LoCo's wire (the
   `bits`-bit all-to-all of `baselines.int_quantized`); no periodic reset."""
-  from loco_jax.transforms import baseline_codecs, baselines
-  return baselines._feedback(baseline_codecs.block_codec(bits, block_size, scale_method,
-                                                         clip_rms),
-                             axis_name, "fp32_error_loco", beta=beta)
+  from loco_jax.transforms import baselines
+  return baselines.error_feedback(bits, block_size, axis_name, scale_method=scale_method,
+                                  clip_rms=clip_rms, beta=beta)
 
 
 # --- Variants -------------------------------------------------------------------------------------

@@ -114,6 +114,24 @@ def test_error_feedback_stores_h_minus_d_exactly():
     assert np.any(np.asarray(state.error) != 0)
 
 
+def test_error_feedback_with_beta_keeps_locos_moving_average_in_float32():
+  # e' = beta e + (1 - beta)(h - d), against float64 within float32 rounding; bad beta refused.
+  beta = 0.8
+  opt = baselines.error_feedback(bits=4, block_size=256, beta=beta)
+  state = opt.init(jnp.zeros(1000))
+  for seed in range(3):
+    g = _normal(seed, 1000)
+    e = np.asarray(state.error, np.float64)
+    out, state = jax.jit(opt.update)(jnp.asarray(g), state)
+    h, d = g + e, np.asarray(out, np.float64)
+    _assert_block_quantized(d, h, 4, 256)
+    want = beta * e + (1 - beta) * (h - d)  # float32 rounds h, d and the products on the way
+    np.testing.assert_array_less(np.abs(np.asarray(state.error, np.float64) - want),
+                                 2.0 ** -21 * (np.abs(e) + np.abs(h) + np.abs(d)) + 1e-30)
+  with pytest.raises(ValueError, match="beta must be in"):
+    baselines.error_feedback(beta=1.0)
+
+
 def test_ef21_matches_numpy_for_three_steps():
   n, bits = 1024, 4
   opt = baselines.ef21(bits=bits, block_size=256)

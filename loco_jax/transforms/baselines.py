@@ -195,7 +195,7 @@ def int_quantized(bits: int = 4, block_size: int = 2048,
 def _feedback(codec: baseline_codecs.Codec, axis_name: AxisName | None, who: str,
               beta: float = 0.0, specs: Any = None) -> optax.GradientTransformationExtraArgs:
   """Classic error feedback around `codec`: h = g + e, send C(h), e' = h - d (float32); with
-  `beta`, LoCo's moving average e' = beta e + (1 - beta)(h - d) (an experiments' ablation)."""
+  `beta`, LoCo's moving average e' = beta e + (1 - beta)(h - d)."""
   def init_fn(params):
     return ErrorFeedbackState(_flat_zeros(params))
 
@@ -227,7 +227,8 @@ def _feedback(codec: baseline_codecs.Codec, axis_name: AxisName | None, who: str
 def error_feedback(bits: int = 4, block_size: int = 2048,
                    axis_name: AxisName | None = None,
                    specs: Any = None, scale_method: str = "absmax",
-                   clip_rms: float | None = None) -> optax.GradientTransformationExtraArgs:
+                   clip_rms: float | None = None,
+                   beta: float = 0.0) -> optax.GradientTransformationExtraArgs:
   """Classic error feedback (Seide et al. 2014) around `int_quantized`, error in float32.
 
   h = g + e; d = Q(h) (absmax blocks of about `block_size`, `bits` bits); e' = h - d; the
@@ -235,7 +236,9 @@ def error_feedback(bits: int = 4, block_size: int = 2048,
   `int_quantized`. This is `loco(beta=0)` with the error kept exactly. `scale_method="rms"`
   with `clip_rms` quantizes with loco's clipped-rms block scale (`quant.rms_scale`; e.g.
   `error_feedback(2, 256, scale_method="rms", clip_rms=1.5)` is classic EF on loco(bits=2)'s
-  quantizer); the default stays absmax at every width (the classic comparator).
+  quantizer); the default stays absmax at every width (the classic comparator). `beta` > 0
+  keeps LoCo's moving average instead, e' = beta e + (1 - beta)(h - d), in float32 (the
+  ablation of LoCo's int8 error; no periodic reset).
 
   With an axis, create the state inside `jax.shard_map` and declare it with
   `loco_jax.state_specs` (or use `parallel.init_opt_state`): the error differs per device.
@@ -252,8 +255,10 @@ def error_feedback(bits: int = 4, block_size: int = 2048,
   _check_bits(bits)
   _check_block_size(block_size)
   _check_scale_method(scale_method, clip_rms)
+  if not 0.0 <= beta < 1.0:
+    raise ValueError(f"beta must be in [0, 1) (0 is classic error feedback), got {beta}")
   return _feedback(baseline_codecs.block_codec(bits, block_size, scale_method, clip_rms),
-                   axis_name, "error_feedback", specs=specs)
+                   axis_name, "error_feedback", beta=beta, specs=specs)
 
 
 def sign_ef(block_size: int = 2048,
