@@ -204,7 +204,8 @@ def _feedback(codec: baseline_codecs.Codec, axis_name: AxisName | None, who: str
     hs = [quant.saturate(g + e) for g, e in zip(grads, errors)]  # finite, never inf
     messages, decoded = baseline_codecs.encode_all(codec, hs, axis_name, who)
     means, flags = baseline_codecs.average_all(codec, messages, decoded, flag, axis_name)
-    new_errors = [h - d if beta == 0  # h and d share their sign: no overflow
+    classic = not isinstance(beta, jax.core.Tracer) and beta == 0  # traced: inject_hyperparams
+    new_errors = [h - d if classic  # h and d share their sign: no overflow
                   else quant.saturate(beta * e + (1.0 - beta) * (h - d))
                   for h, d, e in zip(hs, decoded, errors)]
     return means, [new_errors], flags
@@ -255,7 +256,7 @@ def error_feedback(bits: int = 4, block_size: int = 2048,
   _check_bits(bits)
   _check_block_size(block_size)
   _check_scale_method(scale_method, clip_rms)
-  if not 0.0 <= beta < 1.0:
+  if not (isinstance(beta, jax.core.Tracer) or 0.0 <= float(beta) < 1.0):
     raise ValueError(f"beta must be in [0, 1) (0 is classic error feedback), got {beta}")
   return _feedback(baseline_codecs.block_codec(bits, block_size, scale_method, clip_rms),
                    axis_name, "error_feedback", beta=beta, specs=specs)
