@@ -1,4 +1,13 @@
-"""Comparators for LoCo: fp32 and bf16 all-reduce, int4 without feedback, EF, EF21, sign, top-k."""
+"""Comparators for LoCo: fp32 and bf16 all-reduce, int4 without feedback, EF, EF21, sign, top-k.
+
+For the error-feedback baselines (error_feedback, sign_ef, topk_ef, ef21): with an axis, create
+the state inside `jax.shard_map` and declare it with
+`loco_jax.state_specs` (or use `parallel.init_opt_state`): the error differs per device.
+A non-finite gradient (on any device of the axis) makes every output NaN and leaves the
+state unchanged; finite ones give finite outputs and errors (h = g + e, the means and the
+casts saturate at the largest finite value). Non-float and zero-size leaves pass through;
+dtypes are kept.
+"""
 
 from typing import Any, NamedTuple
 
@@ -129,7 +138,7 @@ def uncompressed(axis_name: AxisName | None = None) -> optax.GradientTransformat
   maximum), and a cast back to a 16-bit leaf saturates at its largest finite value.
 
   Example:
-    >>> opt = optax.chain(loco_jax.transforms.baselines.uncompressed(), optax.adamw(3e-4))
+    >>> opt = optax.chain(uncompressed(), optax.adamw(3e-4))
     >>> state = opt.init(params)             # with an axis_name: inside jax.shard_map
     >>> updates, state = opt.update(grads, state, params)
   """
@@ -148,7 +157,7 @@ def bf16(axis_name: AxisName | None = None) -> optax.GradientTransformationExtra
   overflow); non-finite gradients stay non-finite.
 
   Example:
-    >>> opt = optax.chain(loco_jax.transforms.baselines.bf16(), optax.adamw(3e-4))  # or axis_name="data"
+    >>> opt = optax.chain(bf16(), optax.adamw(3e-4))  # or axis_name="data"
     >>> state = opt.init(params)
     >>> updates, state = opt.update(grads, state, params)
   """
@@ -172,7 +181,7 @@ def int_quantized(bits: int = 4, block_size: int = 2048,
   (`quant.rms_scale`); the default stays absmax at every width (the classic comparator).
 
   Example:
-    >>> opt = optax.chain(loco_jax.transforms.baselines.int_quantized(bits=4), optax.adamw(3e-4))
+    >>> opt = optax.chain(int_quantized(bits=4), optax.adamw(3e-4))
     >>> state = opt.init(params)
     >>> updates, state = opt.update(grads, state, params)
   """
@@ -241,15 +250,10 @@ def error_feedback(bits: int = 4, block_size: int = 2048,
   keeps LoCo's moving average instead, e' = beta e + (1 - beta)(h - d), in float32 (the
   ablation of LoCo's int8 error; no periodic reset).
 
-  With an axis, create the state inside `jax.shard_map` and declare it with
-  `loco_jax.state_specs` (or use `parallel.init_opt_state`): the error differs per device.
-  A non-finite gradient (on any device of the axis) makes every output NaN and leaves the
-  state unchanged; finite ones give finite outputs and errors (h = g + e, the means and the
-  casts saturate at the largest finite value). Non-float and zero-size leaves pass through;
-  dtypes are kept.
+  With an axis and for non-finite or non-float input: as the module docstring says.
 
   Example:
-    >>> opt = optax.chain(loco_jax.transforms.baselines.error_feedback(bits=4), optax.adamw(3e-4))
+    >>> opt = optax.chain(error_feedback(bits=4), optax.adamw(3e-4))
     >>> state = opt.init(params)
     >>> updates, state = opt.update(grads, state, params)
   """
@@ -272,15 +276,10 @@ def sign_ef(block_size: int = 2048,
   one all-to-all carries the packed signs and scales, each device averages its shard in float32
   and a bfloat16 all-gather returns it (1 + 16 bits a parameter).
 
-  With an axis, create the state inside `jax.shard_map` and declare it with
-  `loco_jax.state_specs` (or use `parallel.init_opt_state`): the error differs per device.
-  A non-finite gradient (on any device of the axis) makes every output NaN and leaves the
-  state unchanged; finite ones give finite outputs and errors (h = g + e, the means and the
-  casts saturate at the largest finite value). Non-float and zero-size leaves pass through;
-  dtypes are kept.
+  With an axis and for non-finite or non-float input: as the module docstring says.
 
   Example:
-    >>> opt = optax.chain(loco_jax.transforms.baselines.sign_ef(), optax.adamw(3e-4))
+    >>> opt = optax.chain(sign_ef(), optax.adamw(3e-4))
     >>> state = opt.init(params)
     >>> updates, state = opt.update(grads, state, params)
   """
@@ -299,15 +298,10 @@ def topk_ef(fraction: float = 0.01,
   them (scatter-add) and divides by the device count: each device sends (N - 1) * 64 * fraction
   bits a parameter (its pairs to each of N - 1 peers).
 
-  With an axis, create the state inside `jax.shard_map` and declare it with
-  `loco_jax.state_specs` (or use `parallel.init_opt_state`): the error differs per device.
-  A non-finite gradient (on any device of the axis) makes every output NaN and leaves the
-  state unchanged; finite ones give finite outputs and errors (h = g + e, the means and the
-  casts saturate at the largest finite value). Non-float and zero-size leaves pass through;
-  dtypes are kept.
+  With an axis and for non-finite or non-float input: as the module docstring says.
 
   Example:
-    >>> opt = optax.chain(loco_jax.transforms.baselines.topk_ef(fraction=0.01), optax.adamw(3e-4))
+    >>> opt = optax.chain(topk_ef(fraction=0.01), optax.adamw(3e-4))
     >>> state = opt.init(params)
     >>> updates, state = opt.update(grads, state, params)
   """
@@ -331,7 +325,7 @@ def ef21(bits: int = 4, block_size: int = 2048,
   the largest finite value). Non-float and zero-size leaves pass through; dtypes are kept.
 
   Example:
-    >>> opt = optax.chain(loco_jax.transforms.baselines.ef21(bits=4), optax.adamw(3e-4))
+    >>> opt = optax.chain(ef21(bits=4), optax.adamw(3e-4))
     >>> state = opt.init(params)
     >>> updates, state = opt.update(grads, state, params)
   """
