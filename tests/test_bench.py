@@ -87,3 +87,14 @@ def test_cli_dispatches_bench(capsys):
   from loco_jax.apps import cli
   assert cli.main(["bench", "--n-params", "0"]) == 2
   assert "--n-params" in capsys.readouterr().err
+
+
+def test_wire_bits_run_in_a_subprocess_where_this_process_has_fewer_devices(monkeypatch):
+  """A process with fewer than 8 devices (a GPU machine) gets the wire bits from a CPU
+  subprocess: the same records as in process."""
+  tree = dict(d_model=64, layers=1)
+  bits = lambda records: {r.name: r.value for r in records if r.name.startswith("wire_bits")}
+  here = bits(bench.wire_bits_in_process(tree))
+  monkeypatch.setattr(bench.jax, "device_count", lambda: 1)
+  there = bits(bench.wire_bits(tree))
+  assert "wire_bits_per_param/loco_bf16_gather" in here and there == here

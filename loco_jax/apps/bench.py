@@ -382,7 +382,7 @@ def wire_bits(tree_size: dict | None = None) -> list[Record]:
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
                       f" --xla_force_host_platform_device_count={WIRE_DEVICES}").strip()
-  code = ("import json; from loco_jax import bench; print(json.dumps([r._asdict() for r in "
+  code = ("import json; from loco_jax.apps import bench; print(json.dumps([r._asdict() for r in "
           f"bench.wire_bits_in_process({tree_size!r})]))")
   done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                         timeout=600)
