@@ -85,13 +85,35 @@ def test_fixed_scales_match_the_reference(implementation):
   _run_steps(implementation, 4, 256, 4, 8, 0.8, fixed_scale=4.0)
 
 
-def test_tiled_cpu_path_matches_the_reference(monkeypatch):
-  monkeypatch.setattr(arithmetic, "CPU_TILE_BLOCKS", 4)  # 16 blocks: 4 tiles of a lax.map
+@pytest.mark.parametrize("blocks", [16, 18])  # 4 tiles; 5, the last overlapping the one before
+def test_tiled_cpu_path_matches_the_reference(monkeypatch, blocks):
+  monkeypatch.setattr(arithmetic, "CPU_TILE_BLOCKS", 4)
   _jit_step.cache_clear()
   try:
-    _run_steps("jnp", 16, BLOCK, 4, 8, 0.8)
+    _run_steps("jnp", blocks, BLOCK, 4, 8, 0.8)
   finally:
     _jit_step.cache_clear()
+
+
+def test_tiled_cpu_path_without_decompressed_values_and_with_a_nan(monkeypatch):
+  """The mesh path's call (no decompressed output): the outputs overwrite the error in place,
+  tile by tile; blocks that two tiles share are judged once; a NaN in them is still seen."""
+  monkeypatch.setattr(arithmetic, "CPU_TILE_BLOCKS", 4)
+  blocks = 18
+  step = jax.jit(lambda g, e, s: kernels.compress_step(g, e, s, implementation="jnp"))
+  error, error_scale = np.zeros(blocks * BLOCK, np.int8), np.zeros(blocks, F32)
+  for k in range(2):
+    g = _gradients(k, blocks)
+    out = step(g, error, error_scale)
+    with_d = _jit_step("jnp")(g, error, error_scale, jnp.bool_(False))
+    found = _check(out._replace(decompressed=with_d.decompressed), g, error, error_scale,
+                   blocks, bits=4, error_bits=8, beta=0.8, reset=False)
+    assert found.passed, (k, found)
+    error, error_scale = np.asarray(out.error), np.asarray(out.error_scale)
+  assert np.any(error != 0)
+  g = _gradients(2, blocks)
+  g[15 * BLOCK + 7] = np.nan  # block 15: in the last tile (14-17) and the one before (12-15)
+  assert not bool(step(g, error, error_scale).finite)
 
 
 @settings(max_examples=12, deadline=None)

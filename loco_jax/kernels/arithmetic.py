@@ -150,29 +150,44 @@ def compress_jnp(g_BxL, error_BxL, error_scale_B, bits, error_bits, beta, fixed_
   if backend != "cpu" or tile == blocks:
     out = step(g_BxL, error_BxL, error_scale_B)
   else:
-    out = _tiled(step, (g_BxL, error_BxL, error_scale_B), blocks, tile)
+    # The new error, its scales and the decompressed values overwrite the inputs they come from
+    # (no zero-filled output buffers: a step's worth of fresh pages costs XLA:CPU a pass).
+    out = _tiled(step, (g_BxL, error_BxL, error_scale_B), blocks, tile,
+                 overwrite={2: 1, 3: 2, 5: 0})
   packed, scale, new_error, new_scale, finite, d = out
   return (packed, scale, new_error.reshape(-1), new_scale, finite,
           None if d is None else d.reshape(-1))
 
 
-def _tiled(step, inputs, blocks: int, tile: int):
-  """`step` over tiles of `tile` blocks, in a loop. The last tile ends at the last block (it may
-  overlap the one before: blocks are independent, so they are computed again, identically)."""
+def _tiled(step, inputs, blocks: int, tile: int, overwrite: dict[int, int]):
+  """`step` over tiles of `tile` blocks, in a loop; output k is written over input
+  `overwrite[k]` (same shape and dtype) where the step returns it, the others into fresh
+  buffers.
+
+  The last tile ends at the last block, so it may overlap the one before; the blocks of it that
+  are done already keep their outputs (their inputs may be overwritten by then: blocks are
+  independent, so what the tile computes for them again is discarded)."""
   at = lambda i: jnp.minimum(i * tile, blocks - tile)
   take = lambda x, i: jax.lax.dynamic_slice_in_dim(x, at(i), tile)
   shapes = jax.eval_shape(step, *[take(x, 0) for x in inputs])
-  outs = [None if s is None else jnp.zeros((blocks, *s.shape[1:]), s.dtype) if s.ndim else
-          jnp.bool_(True) for s in shapes]
+  source = {overwrite[k]: k for k, s in enumerate(shapes) if k in overwrite and s is not None}
+  outs = [None if s is None else inputs[overwrite[k]] if k in overwrite else
+          jnp.zeros((blocks, *s.shape[1:]), s.dtype) if s.ndim else jnp.bool_(True)
+          for k, s in enumerate(shapes)]
   # Under jax.shard_map the loop's carry varies over the axes that the inputs vary over.
   axes = tuple(jax.typeof(inputs[0]).manual_axis_type.varying)
   if axes:
-    outs = [None if o is None else jax.lax.pcast(o, axes, to="varying") for o in outs]
+    outs = [o if o is None or set(jax.typeof(o).manual_axis_type.varying) >= set(axes)
+            else jax.lax.pcast(o, axes, to="varying") for o in outs]
 
   def body(i, outs):
-    got = step(*[take(x, i) for x in inputs])
+    got = step(*[take(outs[source[j]] if j in source else x, i) for j, x in enumerate(inputs)])
+    done = jnp.arange(tile) < i * tile - at(i)  # blocks that the tile before wrote
+    keep = lambda o, r: r if blocks % tile == 0 else jnp.where(
+        done.reshape(-1, *[1] * (r.ndim - 1)), take(o, i), r)
     return [None if o is None else o & r if o.ndim == 0 else
-            jax.lax.dynamic_update_slice_in_dim(o, r, at(i), 0) for o, r in zip(outs, got)]
+            jax.lax.dynamic_update_slice_in_dim(o, keep(o, r), at(i), 0)
+            for o, r in zip(outs, got)]
 
   return jax.lax.fori_loop(0, -(-blocks // tile), body, outs)
 
