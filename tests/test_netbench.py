@@ -44,7 +44,7 @@ def test_two_hosts_on_a_slow_link_send_what_the_compiled_program_says(tmp_path):
     print(f"SKIP: {reason}")
     pytest.skip(reason)
   out = tmp_path / "net.json"
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "GLIBC_TUNABLES")}
   proc = subprocess.Popen(
       [sys.executable, "-m", "loco_jax", "netbench", "--hosts", "2", "--rate", "20mbit",
        "--params", str(2**18), "--methods", "fp32,loco,loco-quantized", "--steps", "3",
@@ -64,7 +64,7 @@ def test_two_hosts_on_a_slow_link_send_what_the_compiled_program_says(tmp_path):
   assert sorted(records) == ["fp32", "loco", "loco-quantized"]
   for r in records.values():
     assert (r["hosts"], r["rate"], r["n_params"]) == (2, "20mbit", 2**18)
-    assert r["step_s"] > 0
+    assert r["step_s"] > 0 and r["host_malloc"] == netbench.HOST_MALLOC
     for bits in r["measured_bits_per_host"]:
       assert abs(bits / r["predicted_bits_per_param"] - 1) <= 0.03, (r["method"], bits, r)
   fp32 = records["fp32"]["measured_bits_per_param"]
@@ -96,6 +96,17 @@ def test_without_root_or_tools_it_exits_2_naming_what_is_missing(monkeypatch, ca
 def test_bad_arguments_exit_2_saying_what_is_accepted(argv, message, capsys):
   assert netbench.main(argv) == 2
   assert message in capsys.readouterr().err
+
+
+def test_hosts_get_the_malloc_settings_unless_told_otherwise(monkeypatch):
+  monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+  monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+  parse = lambda *argv: netbench._parser().parse_args(list(argv))
+  env = netbench.host_env(parse().host_malloc)
+  assert env["GLIBC_TUNABLES"] == netbench.HOST_MALLOC and "XLA_FLAGS" not in env
+  assert "GLIBC_TUNABLES" not in netbench.host_env(parse("--default-malloc").host_malloc)
+  monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2")
+  assert netbench.host_env(True)["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2"
 
 
 @pytest.mark.parametrize("rate, bits", [("20mbit", 2e7), ("1gbit", 1e9), ("1.5GBIT", 1.5e9),

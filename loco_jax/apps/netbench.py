@@ -32,6 +32,13 @@ DEFAULT_METHODS = ",".join(METHODS)
 COORDINATOR_PORT = 12355      # inside our own namespaces: no other listener can hold it
 BITS_TOLERANCE = 0.02         # measured within 2% of the compiled program's prediction
 MIN_RATE_FRACTION = 0.9       # the fp32 all-reduce must reach 90% of the nominal rate
+# XLA:CPU takes a step's temporaries from malloc. With glibc's defaults, blocks over its
+# (adaptive, at most 32 MiB) mmap threshold are mapped anew and page-faulted every step, and
+# freed heap is trimmed back to the kernel: at 4 hosts this took loco's 4M-parameter exchange
+# from 48-50 to 66-70 ms of CPU a host (docs/NETWORK.md). Every host gets heap that stays
+# mapped, in transparent huge pages, for every method alike.
+HOST_MALLOC = ("glibc.malloc.hugetlb=1:glibc.malloc.mmap_threshold=33554432:"
+               "glibc.malloc.trim_threshold=4294967296")
 _PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)
 
 
@@ -69,6 +76,9 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--param-gather", default="float32",
                  help=f"zero2 and fsdp's parameter gathers, one of {','.join(PARAM_GATHERS)}: "
                       "the compute dtype, or int8 with block scales")
+  p.add_argument("--default-malloc", dest="host_malloc", action="store_false",
+                 help=f"run the hosts with glibc's default malloc settings instead of "
+                      f"GLIBC_TUNABLES={HOST_MALLOC} (a GLIBC_TUNABLES already set is kept)")
   p.add_argument("--json", default=None, help="write the records to this file")
   p.add_argument("--png", default=None, help="plot step time against link rate (matplotlib)")
   return p
@@ -118,14 +128,23 @@ def _die_with_parent() -> None:
   ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
 
 
+def host_env(host_malloc: bool) -> dict[str, str]:
+  """The hosts' environment: this one's, on CPU, without XLA_FLAGS, with `HOST_MALLOC` unless
+  `host_malloc` is False (a GLIBC_TUNABLES set here is kept either way)."""
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env["JAX_PLATFORMS"] = "cpu"
+  if host_malloc:
+    env.setdefault("GLIBC_TUNABLES", HOST_MALLOC)
+  env["PYTHONPATH"] = os.pathsep.join([_PACKAGE_ROOT, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+  return env
+
+
 def run_hosts(net: netns.Network, args, workdir: str) -> list[dict]:
   """Starts one worker per host, waits for all (bounded), returns their result records.
 
   A host that fails or outlives `args.timeout` stops every other host and raises.
   """
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  env["JAX_PLATFORMS"] = "cpu"
-  env["PYTHONPATH"] = os.pathsep.join([_PACKAGE_ROOT, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+  env = host_env(args.host_malloc)
   coordinator = f"{net.hosts[0].address}:{COORDINATOR_PORT}"
   procs, logs = [], []
   try:
@@ -200,6 +219,7 @@ def summarize(results: list[dict], hosts: int, rate: str, n_params: int) -> list
         "predicted_bits_per_param": predicted,
         "predicted_wire_s": predicted * n_params / netns.rate_bits(rate),
         "finite": all(r["finite"] for r in rows),
+        "host_malloc": rows[0]["malloc"],
         "collectives": rows[0]["collectives"]})
   return records
 
@@ -374,7 +394,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="netbench-") as workdir:
       for rate in rates:
         with netns.Network(args.hosts, rate, args.delay, args.burst) as net:
-          print(f"{args.hosts} hosts at {rate}: {net.shaping}", flush=True)
+          print(f"{args.hosts} hosts at {rate}: {net.shaping}; hosts' GLIBC_TUNABLES="
+                f"{host_env(args.host_malloc).get('GLIBC_TUNABLES', '')!r}",
+                flush=True)
           results = run_hosts(net, args, workdir)
           records += summarize(results, args.hosts, rate, args.params)
           if not args.exchange_only:

@@ -6,6 +6,7 @@ one JSON line per method ("result": ...) and nothing else on stdout.
 
 import argparse
 import json
+import os
 import signal
 import statistics
 import sys
@@ -310,6 +311,7 @@ def main(argv=None) -> int:
         "cpu_s": statistics.median(cpu), "sent_bytes": sent, "collectives_s": collectives_s,
         "measured_bits_per_param": 8 * sent / (args.steps * args.params),
         "predicted_bits_per_param": predicted, "finite": finite,
+        "malloc": os.environ.get("GLIBC_TUNABLES", ""),
         "collectives": [f"{c.op}:{c.dtype}:{int(c.nbytes)}" + (":cond" if c.conditional else "")
                         for c in found]}}), flush=True)
   if args.train_steps:
