@@ -168,18 +168,25 @@ def make(name: str, config, axis_name: str = "data"):
 # --- Driver -----------------------------------------------------------------------------------
 
 # The decision sweep: (overrides of the demo's config, variants, seeds), run in this order so
-# that a sweep cut short has whole seeds of the most important cells. Pruned to fit the time the
-# shared 2-core machine gave (a demo run took 3-8 minutes beside other work, a larger-model run
-# 10): the paper's recipe and 8 bits at one seed, the larger model at one learning rate.
+# that a sweep cut short has whole seeds of the most important cells (runs already in
+# runs.jsonl are skipped by key, so a second pass only adds). Pruned to fit the time the shared
+# 2-core machine gave (a demo run took 1-8 minutes beside other work, a larger-model run 2-16):
+# 4 and 8 bits on the demo model at lr 2e-3 only, the larger model at 2 and 3 bits only.
 LARGE = {"d_model": 128, "d_ff": 512, "n_layers": 4}
 CORE = ["none", "loco2", "ef2", "loco3", "ef3"]
 EXTRA = ["loco2-paper", "loco3-paper", "loco8", "ef8"]
 DECIDE = {
     "demo": [({"lr": 2e-3}, CORE, (0, 1, 2)), ({"lr": 1e-3}, CORE, (0,)),
              ({"lr": 2e-3}, EXTRA, (0,)), ({"lr": 1e-3}, CORE, (1, 2)),
-             ({"lr": 2e-3}, ["loco4", "ef4", "loco4-rms4-B256"], (0,))],
+             ({"lr": 2e-3}, ["loco4", "ef4", "loco4-rms4-B256"], (0,)),
+             ({"lr": 2e-3}, EXTRA + ["loco4", "ef4", "loco4-rms4-B256"], (1, 2)),
+             ({"lr": 1e-3}, ["loco2-paper", "loco3-paper"], (0, 1, 2))],
     "large": [({**LARGE, "lr": 2e-3}, CORE + ["loco2-paper"], (0,)),
-              ({**LARGE, "lr": 2e-3}, CORE + ["loco2-paper"], (1,))],
+              ({**LARGE, "lr": 2e-3}, CORE + ["loco2-paper"], (1,)),
+              ({**LARGE, "lr": 1e-3}, CORE, (0, 1, 2)),
+              ({**LARGE, "lr": 1e-3}, ["loco2-paper", "loco3-paper"], (0, 1, 2)),
+              ({**LARGE, "lr": 2e-3}, ["loco3-paper"], (0, 1, 2)),
+              ({**LARGE, "lr": 2e-3}, ["loco2-paper"], (2,))],
 }
 
 def _key(variant: str, overrides: dict, seed: int) -> str:
