@@ -390,12 +390,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     stale = netns.remove_stale()
     if stale:
       print(f"removed {len(stale)} namespaces left by an earlier run: {', '.join(stale)}")
-    records = []
+    records, malloc = [], host_env(args.host_malloc).get("GLIBC_TUNABLES", "")
     with tempfile.TemporaryDirectory(prefix="netbench-") as workdir:
       for rate in rates:
         with netns.Network(args.hosts, rate, args.delay, args.burst) as net:
-          print(f"{args.hosts} hosts at {rate}: {net.shaping}; hosts' GLIBC_TUNABLES="
-                f"{host_env(args.host_malloc).get('GLIBC_TUNABLES', '')!r}",
+          print(f"{args.hosts} hosts at {rate}: {net.shaping}; hosts' GLIBC_TUNABLES={malloc!r}",
                 flush=True)
           results = run_hosts(net, args, workdir)
           records += summarize(results, args.hosts, rate, args.params)

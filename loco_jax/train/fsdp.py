@@ -297,6 +297,3 @@ def sharded_step(model: LayeredModel, optimizer: optax.GradientTransformation, m
 
   return jax.jit(jax.shard_map(local_step, mesh=mesh, in_specs=(specs, P(axis_name)),
                                out_specs=(specs, P())), donate_argnums=0)
-
-
-# --- Accounting from the compiled program ------------------------------------------------------
