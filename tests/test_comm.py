@@ -130,6 +130,32 @@ def test_non_finite_on_one_device_skips_the_step_on_every_device(mesh):
                after, state)
 
 
+@pytest.mark.parametrize("mode", [dict(), dict(gather="quantized"), dict(scatter=True)])
+def test_skip_by_cond_and_by_selects_give_the_same_steps(mesh, monkeypatch, mode):
+  # CPU skips a non-finite step with one lax.cond (`loco.SKIP_BY_COND`), other backends with
+  # selects per leaf: both give the same updates and states, bit for bit (the same arithmetic),
+  # over a finite step, a non-finite one and a finite one again.
+  from loco_jax.transforms import loco as loco_module
+  opt = loco(axis_name="data", **mode)
+  out_spec = P("data") if mode.get("scatter") else P()
+  runs = []
+  for backends in (("cpu",), ()):
+    monkeypatch.setattr(loco_module, "SKIP_BY_COND", backends)
+    step, (state, _) = _sharded_step(opt, mesh, out_spec), parallel.init_opt_state(opt, PARAMS,
+                                                                                   mesh)
+    seen = []
+    for seed in range(3):
+      grads = _device_grads(seed)
+      if seed == 1:
+        grads["b"] = grads["b"].at[5, 2].set(jnp.nan)
+      out, state = step(grads, state)
+      seen.append((out, state))
+    runs.append(seen)
+  assert all(np.all(np.isnan(np.asarray(x))) for x in jax.tree.leaves(runs[0][1][0]))
+  jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)),
+               runs[0], runs[1])
+
+
 def test_a_tree_with_nothing_to_compress_passes_through(mesh):
   params = {"step": jnp.zeros((8,), jnp.int32)}
   opt = loco(axis_name="data")

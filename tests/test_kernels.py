@@ -197,6 +197,23 @@ def test_dequantize_mean_of_bit_plane_widths_and_many_peers():
   assert reference.mean_off(np.asarray(got), codes, scales) == 0
 
 
+@pytest.mark.parametrize("bits", [4, 3])
+def test_unrolled_and_looped_means_are_the_same_sums(bits):
+  # GPU and TPU unroll the peers, CPU loops over them (inside jax.shard_map too, where the
+  # loop's carry must be typed as varying over the axis): the same adds in the same order.
+  received, scales, _ = _peer_payloads(8, 6, bits=bits)
+  packed = received.reshape(8, 6, -1)
+  mean = lambda unroll: jax.jit(functools.partial(arithmetic.mean_jnp, bits=bits, unroll=unroll))
+  unrolled = np.asarray(mean(True)(packed, scales))
+  np.testing.assert_array_equal(np.asarray(mean(False)(packed, scales)), unrolled)
+  mesh = jax.make_mesh((8,), ("data",), (jax.sharding.AxisType.Explicit,))
+  on_mesh = jax.jit(jax.shard_map(lambda r, s: mean(False)(r[0], s[0])[None], mesh=mesh,
+                                  in_specs=jax.P("data"), out_specs=jax.P("data")))
+  spread = lambda x: jax.device_put(np.stack([x] * 8), jax.NamedSharding(mesh, jax.P("data")))
+  for row in np.asarray(on_mesh(spread(packed), spread(scales))):
+    np.testing.assert_array_equal(row, unrolled)
+
+
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 def test_non_finite_gradient_is_reported(implementation, bad):

@@ -118,15 +118,15 @@ class Leaves(NamedTuple):
     (and the step counter) keep or skip the step together. Nothing where spread is empty."""
     return jax.lax.psum(flags, self.spread) if self.spread else flags
 
-  def outputs(self, values: list, flags: jax.Array, shaped: bool = True) -> Any:
-    """Flat float32 values per leaf (None: pass the gradient through) + flags -> the update, in
-    the leaves' dtypes (saturating) and, if `shaped`, their shapes."""
+  def outputs(self, values: list, flags: jax.Array | None, shaped: bool = True) -> Any:
+    """Flat float32 values per leaf (None: pass the gradient through) + flags (None: none to
+    add) -> the update, in the leaves' dtypes (saturating) and, if `shaped`, their shapes."""
     out = list(self.leaves)
     for i, v in enumerate(values):
       if v is not None:
         g = self.leaves[i]
-        out[i] = quant.saturating_cast((v + flags).reshape(g.shape if shaped else v.shape),
-                                       g.dtype)
+        v = v if flags is None else v + flags
+        out[i] = quant.saturating_cast(v.reshape(g.shape if shaped else v.shape), g.dtype)
     return self.treedef.unflatten(out)
 
 

@@ -174,11 +174,7 @@ def _tiled(step, inputs, blocks: int, tile: int, overwrite: dict[int, int]):
   outs = [None if s is None else inputs[overwrite[k]] if k in overwrite else
           jnp.zeros((blocks, *s.shape[1:]), s.dtype) if s.ndim else jnp.bool_(True)
           for k, s in enumerate(shapes)]
-  # Under jax.shard_map the loop's carry varies over the axes that the inputs vary over.
-  axes = tuple(jax.typeof(inputs[0]).manual_axis_type.varying)
-  if axes:
-    outs = [o if o is None or set(jax.typeof(o).manual_axis_type.varying) >= set(axes)
-            else jax.lax.pcast(o, axes, to="varying") for o in outs]
+  outs = [o if o is None else _varying_like(o, inputs[0]) for o in outs]
 
   def body(i, outs):
     got = step(*[take(outs[source[j]] if j in source else x, i) for j, x in enumerate(inputs)])
@@ -192,6 +188,14 @@ def _tiled(step, inputs, blocks: int, tile: int, overwrite: dict[int, int]):
   return jax.lax.fori_loop(0, -(-blocks // tile), body, outs)
 
 
+def _varying_like(x: jax.Array, like: jax.Array) -> jax.Array:
+  """x, typed as varying over the manual axes that `like` varies over (under jax.shard_map a
+  loop's carry must be typed as what the loop body makes of it)."""
+  missing = tuple(sorted(set(jax.typeof(like).manual_axis_type.varying)
+                         - set(jax.typeof(x).manual_axis_type.varying)))
+  return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
 def dequantize_planes(word: jax.Array, scale: jax.Array, bits: int, down: float = 1.0) -> list[jax.Array]:
   """uint8 words (as int32) [rows, width] -> the `8 // bits` decompressed planes (q / s
   saturated as quant.decompress does), each times `down` (a power of two: exact)."""
@@ -202,13 +206,18 @@ def dequantize_planes(word: jax.Array, scale: jax.Array, bits: int, down: float 
           for t in range(8 // bits)]
 
 
-# Up to this many peers the jnp mean is one unrolled fusion; beyond, a loop over the peers.
+# Up to this many peers the jnp mean is one unrolled fusion on GPU and TPU; beyond, and always
+# on CPU, a loop over the peers. XLA:CPU compiles the unrolled sum as kernels per peer (a slice
+# at a constant peer index is a distinct kernel: 8 peers x 3 buckets of the GPT-2-shaped tree
+# added ~1 s to the mesh step's compile) and ran it 2.5-3.5x slower than the loop (8 peers of
+# 2**21 values, 33.5 ms against 9.7-13.3 ms; docs/PERFORMANCE.md).
 UNROLLED_PEERS = 64
 
 
-def mean_jnp(packed_NxBxP, scales_NxB, bits):
+def mean_jnp(packed_NxBxP, scales_NxB, bits, unroll: bool):
   """sum_j q_j / s_j, added in peer order from 0, * 1/N, without overflow: as
-  quant.mean_over_peers, sum_j (q_j / s_j) 2**-k, times 2**k / N."""
+  quant.mean_over_peers, sum_j (q_j / s_j) 2**-k, times 2**k / N. `unroll`: one term per peer
+  in the program, else a loop over the peers (the same sums, bit for bit)."""
   shards = packed_NxBxP.shape[0]
   down, up = quant.mean_factors(shards)
   if 8 % bits:
@@ -220,11 +229,12 @@ def mean_jnp(packed_NxBxP, scales_NxB, bits):
     peer = lambda j: jnp.concatenate(dequantize_planes(
         packed_NxBxP[j].astype(jnp.int32), scales_NxB[j][..., None], bits, down), -1)
   total = jnp.zeros(packed_NxBxP.shape[1:2] + (packed_NxBxP.shape[2] * 8 // bits,), jnp.float32)
-  if shards <= UNROLLED_PEERS:
+  if unroll:
     for j in range(shards):
       total = total + peer(j)
   else:
-    total = jax.lax.fori_loop(0, shards, lambda j, acc: acc + peer(j), total)
+    total = jax.lax.fori_loop(0, shards, lambda j, acc: acc + peer(j),
+                              _varying_like(total, packed_NxBxP))
   return quant.saturate(total * np.float32(up)).reshape(-1)
 
 

@@ -9,8 +9,9 @@ import numpy as np
 
 from loco_jax.core import quant
 from loco_jax.kernels import pallas, reference
-from loco_jax.kernels.arithmetic import (GPU_MIN_BLOCK, IMPLEMENTATIONS, TILE_BLOCKS, Compressed,
-                                         compress_jnp, is_constant, mean_jnp)
+from loco_jax.kernels.arithmetic import (GPU_MIN_BLOCK, IMPLEMENTATIONS, TILE_BLOCKS,
+                                         UNROLLED_PEERS, Compressed, compress_jnp, is_constant,
+                                         mean_jnp)
 from loco_jax.kernels.pallas import compress_pallas, mean_pallas
 
 
@@ -262,6 +263,7 @@ def dequantize_mean(received: jax.Array, scales: jax.Array, *, bits: int = 4,
                            interpret, peers=shards)
   packed_NxBxP = received.reshape(shards, blocks, nbytes // blocks)
   if name == "jnp":
-    return mean_jnp(packed_NxBxP, scales.astype(jnp.float32), bits)
+    return mean_jnp(packed_NxBxP, scales.astype(jnp.float32), bits,
+                    unroll=backend != "cpu" and shards <= UNROLLED_PEERS)
   return mean_pallas(packed_NxBxP, scales.astype(jnp.float32), bits, backend, interpret,
                       tile_blocks, num_warps)

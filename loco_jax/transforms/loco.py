@@ -1,6 +1,6 @@
 """4-bit gradient compression with an 8-bit, moving-averaged, periodically reset error (LoCo)."""
 
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +13,9 @@ from loco_jax.core import buckets, feedback, leaves, quant, trees
 from loco_jax.comm import AxisName, bucketed
 
 GATHER_MODES = ("bf16", "quantized")
+# Backends on which a non-finite step is skipped by one lax.cond (`_keep_or_skip`); elsewhere
+# by a select of each leaf's state and the NaN flags added to each leaf's update.
+SKIP_BY_COND = ("cpu",)
 
 # What `loco` uses for the arguments left at None, by bit width (the "Low-bit LoCo" sweep in
 # docs/EXPERIMENTS.md chose 2 and 3 bits; every other width keeps the paper's recipe).
@@ -257,9 +260,10 @@ def loco(
         if quantized_gather and not fixed_error else None)
 
   def compress(p: buckets.Plan, firsts: list, grads: list, errors: list, error_scales: list,
-               reset, local: bool) -> tuple[list, list, list, list, list, jax.Array]:
-    """LoCo's step on every bucket: (packed, scales, new errors and error scales per leaf,
-    decompressed buckets (local mode), all finite)."""
+               reset, local: bool) -> tuple[list, list, Callable, list, list, jax.Array]:
+    """LoCo's step on every bucket: (packed, scales, a function that takes the new errors and
+    error scales per leaf out of their buckets, those buckets, the decompressed buckets (local
+    mode), all finite)."""
     g_b, e_b = buckets.to_buckets(grads, p), buckets.to_buckets(errors, p)
     es_b = (buckets.scales_to_buckets(error_scales, p) if error_scale is None
             else [None] * len(g_b))
@@ -278,43 +282,47 @@ def loco(
       decompressed.append(None if out.decompressed is None else
                           out.decompressed.reshape(rows, blocks, n))
       finite &= out.finite
-    return (packed, None if scale is not None else scales,
-            buckets.from_buckets(new_e, p, firsts),
-            None if error_scale is not None else buckets.scales_from_buckets(new_es, p, firsts),
-            decompressed, finite)
+    take_state = lambda: (
+        buckets.from_buckets(new_e, p, firsts),
+        None if error_scale is not None else buckets.scales_from_buckets(new_es, p, firsts))
+    return (packed, None if scale is not None else scales, take_state, new_e, decompressed,
+            finite)
 
   def exchange(p: buckets.Plan, k: jax.Array, grads: list, state: list, reset) -> tuple:
     """One group's step: compress its buckets, average them over the axis (all-to-all,
-    receive-side mean, gather). -> (values per leaf, flags, new state fields per leaf)."""
+    receive-side mean, gather). -> (a function that takes the values and the new state fields
+    per leaf out of the buckets, flags, a values bucket, a new state bucket)."""
     errors, error_scales, gather_errors, gather_scales = state
     firsts = buckets.starts(p, k)
-    packed, scales, new_errors, new_error_scales, local_d, finite = compress(
+    packed, scales, take_state, state_buckets, local_d, finite = compress(
         p, firsts, grads, errors, error_scales, reset, axis_name is None)
-    new_gather = (None, None)
+    take_gather = lambda: (None, None)
     if axis_name is None:
-      return (buckets.from_buckets(local_d, p, firsts), leaves.flag(finite),
-              (new_errors, new_error_scales) + new_gather)
-    means, flags = bucketed.all_to_all_mean(packed, scales, scale, bits, leaves.flag(finite),
-                                            axis_name)
-    if scatter:
-      # No gather follows to bring the flags back replicated: one 4-byte all-reduce does.
-      return (buckets.shards(means, p, firsts), jax.lax.psum(leaves.flag(finite), axis_name),
-              (new_errors, new_error_scales) + new_gather)
-    if gather == "bf16":
-      gathered, flags = bucketed.gather_bf16(means, p, flags, axis_name)
+      flags, values, take_values = leaves.flag(finite), local_d, buckets.from_buckets
     else:
-      # The averaged shard is re-quantized with its own error: the buckets of one row.
-      shard_plan = p._replace(rows=1, leaves=tuple(
-          None if leaf is None else leaf._replace(size=leaf.row_len) for leaf in p.leaves))
-      shard_packed, shard_scales, *new_gather, _, _ = compress(
-          shard_plan, firsts, buckets.shards(means, p, firsts), gather_errors, gather_scales,
-          reset, False)
-      gathered, flags = bucketed.gather_packed(
-          [x[0] for x in shard_packed],
-          None if shard_scales is None else [s[0] for s in shard_scales], scale, bits, p,
-          flags, axis_name)
-    return (buckets.from_buckets(gathered, p, firsts), flags,
-            (new_errors, new_error_scales) + tuple(new_gather))
+      means, flags = bucketed.all_to_all_mean(packed, scales, scale, bits, leaves.flag(finite),
+                                              axis_name)
+      if scatter:
+        # No gather follows to bring the flags back replicated: one 4-byte all-reduce does.
+        flags, values, take_values = (jax.lax.psum(leaves.flag(finite), axis_name), means,
+                                      buckets.shards)
+      elif gather == "bf16":
+        (values, flags), take_values = bucketed.gather_bf16(means, p, flags, axis_name), \
+            buckets.from_buckets
+      else:
+        # The averaged shard is re-quantized with its own error: the buckets of one row.
+        shard_plan = p._replace(rows=1, leaves=tuple(
+            None if leaf is None else leaf._replace(size=leaf.row_len) for leaf in p.leaves))
+        shard_packed, shard_scales, take_gather, _, _, _ = compress(
+            shard_plan, firsts, buckets.shards(means, p, firsts), gather_errors, gather_scales,
+            reset, False)
+        values, flags = bucketed.gather_packed(
+            [x[0] for x in shard_packed],
+            None if shard_scales is None else [s[0] for s in shard_scales], scale, bits, p,
+            flags, axis_name)
+        take_values = buckets.from_buckets
+    take = lambda: (take_values(values, p, firsts), take_state() + take_gather())
+    return take, flags, values[0], state_buckets[0]
 
   def update_body(updates, state):
     trees.check_state_matches("loco", updates, state, init_body(updates))
@@ -323,25 +331,75 @@ def loco(
       return updates, state._replace(count=optax.safe_increment(k))
     fields = (state.error, state.error_scale, state.gather_error, state.gather_scale)
     old = [parts.per_leaf(f) for f in fields]
-    new, values, flags = [list(f) for f in old], [None] * len(parts.leaves), jnp.float32(0)
     reset = feedback.is_due(k, reset_interval)
+    takes, likes, flags = [], ({}, {}), jnp.float32(0)
     for group, p in plans(parts):
       grads = [parts.flat(i) if i in group else None for i in range(len(parts.leaves))]
-      group_values, group_flags, group_new = exchange(p, k, grads, old, reset)
-      values = leaves.merge(group_values, values)
-      new = [leaves.merge(n, f) for n, f in zip(group_new, new)]
+      take, group_flags, value_like, state_like = exchange(p, k, grads, old, reset)
+      takes.append(take)
+      likes[0].update(dict.fromkeys(group, value_like))
+      likes[1].update(dict.fromkeys(group, state_like))
       flags = flags + group_flags
     flags = parts.agree(flags)  # every shard, like every device of the axis, keeps or skips
     finite = jnp.isfinite(flags)
-    kept = leaves.keep_if(finite, new, old)
-    return (parts.outputs(values, flags, shaped=not (scatter and axis_name is not None)),
-            LocoState(jnp.where(finite, optax.safe_increment(k), k),
-                      *[parts.tree(x, like) for x, like in zip(kept, fields)]))
+    flat_output = scatter and axis_name is not None
+
+    def taken() -> tuple[list, list]:
+      values, new = [None] * len(parts.leaves), [list(f) for f in old]
+      for take in takes:
+        group_values, group_new = take()
+        values = leaves.merge(group_values, values)
+        new = [leaves.merge(n, f) for n, f in zip(group_new, new)]
+      return values, new
+
+    if jax.default_backend() in SKIP_BY_COND:
+      update, kept = _keep_or_skip(parts, finite, taken, old, likes,
+                                   rows_on_axis() if flat_output else None)
+    else:
+      values, new = taken()
+      update = parts.outputs(values, flags, shaped=not flat_output)
+      kept = leaves.keep_if(finite, new, old)
+    return update, LocoState(jnp.where(finite, optax.safe_increment(k), k),
+                             *[parts.tree(x, like) for x, like in zip(kept, fields)])
 
   init_fn = leaves.local_init(init_body, axis_name, specs, "loco")
   update_fn = leaves.local_update(update_body, axis_name, specs,
                                   flat_output=scatter and axis_name is not None, who="loco")
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _keep_or_skip(parts: leaves.Leaves, finite: jax.Array, taken: Callable, old: list,
+                  likes: tuple[dict, dict], shards: int | None) -> tuple[Any, list]:
+  """(the update, the new state fields per leaf) where `finite`, else (NaN, `old`).
+
+  One lax.cond, with the leaves taken out of the buckets (`taken()`) on its keep branch only:
+  each leaf's update and state is then a bare slice. A select of the state and an add of the
+  flags per leaf made ~150 more kernels for XLA:CPU to compile on the GPT-2-shaped tree (0.6 s,
+  docs/PERFORMANCE.md). A GPU reads a cond's predicate back to the host, which stalls its
+  stream, so there (not in `SKIP_BY_COND`) the step selects and adds per leaf instead.
+  `likes`: per sent leaf, an array typed like its values and one like its new state (the
+  manual axes they vary over, which both branches must match). `shards`: the update is each
+  leaf's flat shard over that many devices (scatter), not the leaf.
+  """
+  value_like, state_like = likes
+
+  def keep():
+    values, new = taken()
+    new = [[n if n is None or o is None else leaves.vary_like(n, o)
+            for n, o in zip(new_field, old_field)] for new_field, old_field in zip(new, old)]
+    return parts.outputs(values, None, shaped=shards is None), new
+
+  def skip():
+    nan = [None] * len(parts.leaves)
+    for i in value_like:
+      size = parts.leaves[i].size
+      size = size if shards is None else comm.shard_len(size, shards)
+      nan[i] = leaves.vary_like(jnp.full((size,), jnp.nan, jnp.float32), value_like[i])
+    kept = [[o if o is None or i not in state_like else leaves.vary_like(o, state_like[i])
+             for i, o in enumerate(field)] for field in old]
+    return parts.outputs(nan, None, shaped=shards is None), kept
+
+  return jax.lax.cond(finite, keep, skip)
 
 
 def state_specs(state: Any, axis_name: AxisName) -> Any:
