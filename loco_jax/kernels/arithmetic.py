@@ -196,7 +196,8 @@ def _varying_like(x: jax.Array, like: jax.Array) -> jax.Array:
   return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
-def dequantize_planes(word: jax.Array, scale: jax.Array, bits: int, down: float = 1.0) -> list[jax.Array]:
+def dequantize_planes(word: jax.Array, scale: jax.Array, bits: int,
+                      down: float = 1.0) -> list[jax.Array]:
   """uint8 words (as int32) [rows, width] -> the `8 // bits` decompressed planes (q / s
   saturated as quant.decompress does), each times `down` (a power of two: exact)."""
   qmin, mask = quant.int_range(bits)[0], (1 << bits) - 1

@@ -1,6 +1,6 @@
 """4-bit gradient compression with an 8-bit, moving-averaged, periodically reset error (LoCo)."""
 
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -13,8 +13,8 @@ from loco_jax.core import buckets, feedback, leaves, quant, trees
 from loco_jax.comm import AxisName, bucketed
 
 GATHER_MODES = ("bf16", "quantized")
-# Backends on which a non-finite step is skipped by one lax.cond (`_keep_or_skip`); elsewhere
-# by a select of each leaf's state and the NaN flags added to each leaf's update.
+# Backends on which a non-finite step is skipped by one lax.cond (`Leaves.keep_or_skip`);
+# elsewhere by a select of each leaf's state and the NaN flags added to each leaf's update.
 SKIP_BY_COND = ("cpu",)
 
 # What `loco` uses for the arguments left at None, by bit width (the "Low-bit LoCo" sweep in
@@ -260,7 +260,7 @@ def loco(
         if quantized_gather and not fixed_error else None)
 
   def compress(p: buckets.Plan, firsts: list, grads: list, errors: list, error_scales: list,
-               reset, local: bool) -> tuple[list, list, Callable, list, list, jax.Array]:
+               reset, local: bool) -> tuple[list, list, Any, list, list, jax.Array]:
     """LoCo's step on every bucket: (packed, scales, a function that takes the new errors and
     error scales per leaf out of their buckets, those buckets, the decompressed buckets (local
     mode), all finite)."""
@@ -296,9 +296,9 @@ def loco(
     firsts = buckets.starts(p, k)
     packed, scales, take_state, state_buckets, local_d, finite = compress(
         p, firsts, grads, errors, error_scales, reset, axis_name is None)
-    take_gather = lambda: (None, None)
+    take_gather, take_values = (lambda: (None, None)), buckets.from_buckets
     if axis_name is None:
-      flags, values, take_values = leaves.flag(finite), local_d, buckets.from_buckets
+      flags, values = leaves.flag(finite), local_d
     else:
       means, flags = bucketed.all_to_all_mean(packed, scales, scale, bits, leaves.flag(finite),
                                               axis_name)
@@ -307,8 +307,7 @@ def loco(
         flags, values, take_values = (jax.lax.psum(leaves.flag(finite), axis_name), means,
                                       buckets.shards)
       elif gather == "bf16":
-        (values, flags), take_values = bucketed.gather_bf16(means, p, flags, axis_name), \
-            buckets.from_buckets
+        values, flags = bucketed.gather_bf16(means, p, flags, axis_name)
       else:
         # The averaged shard is re-quantized with its own error: the buckets of one row.
         shard_plan = p._replace(rows=1, leaves=tuple(
@@ -320,7 +319,6 @@ def loco(
             [x[0] for x in shard_packed],
             None if shard_scales is None else [s[0] for s in shard_scales], scale, bits, p,
             flags, axis_name)
-        take_values = buckets.from_buckets
     take = lambda: (take_values(values, p, firsts), take_state() + take_gather())
     return take, flags, values[0], state_buckets[0]
 
@@ -353,8 +351,8 @@ def loco(
       return values, new
 
     if jax.default_backend() in SKIP_BY_COND:
-      update, kept = _keep_or_skip(parts, finite, taken, old, likes,
-                                   rows_on_axis() if flat_output else None)
+      update, kept = parts.keep_or_skip(finite, taken, old, likes,
+                                        rows_on_axis() if flat_output else None)
     else:
       values, new = taken()
       update = parts.outputs(values, flags, shaped=not flat_output)
@@ -366,40 +364,6 @@ def loco(
   update_fn = leaves.local_update(update_body, axis_name, specs,
                                   flat_output=scatter and axis_name is not None, who="loco")
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
-
-def _keep_or_skip(parts: leaves.Leaves, finite: jax.Array, taken: Callable, old: list,
-                  likes: tuple[dict, dict], shards: int | None) -> tuple[Any, list]:
-  """(the update, the new state fields per leaf) where `finite`, else (NaN, `old`).
-
-  One lax.cond, with the leaves taken out of the buckets (`taken()`) on its keep branch only:
-  each leaf's update and state is then a bare slice. A select of the state and an add of the
-  flags per leaf made ~150 more kernels for XLA:CPU to compile on the GPT-2-shaped tree (0.6 s,
-  docs/PERFORMANCE.md). A GPU reads a cond's predicate back to the host, which stalls its
-  stream, so there (not in `SKIP_BY_COND`) the step selects and adds per leaf instead.
-  `likes`: per sent leaf, an array typed like its values and one like its new state (the
-  manual axes they vary over, which both branches must match). `shards`: the update is each
-  leaf's flat shard over that many devices (scatter), not the leaf.
-  """
-  value_like, state_like = likes
-
-  def keep():
-    values, new = taken()
-    new = [[n if n is None or o is None else leaves.vary_like(n, o)
-            for n, o in zip(new_field, old_field)] for new_field, old_field in zip(new, old)]
-    return parts.outputs(values, None, shaped=shards is None), new
-
-  def skip():
-    nan = [None] * len(parts.leaves)
-    for i in value_like:
-      size = parts.leaves[i].size
-      size = size if shards is None else comm.shard_len(size, shards)
-      nan[i] = leaves.vary_like(jnp.full((size,), jnp.nan, jnp.float32), value_like[i])
-    kept = [[o if o is None or i not in state_like else leaves.vary_like(o, state_like[i])
-             for i, o in enumerate(field)] for field in old]
-    return parts.outputs(nan, None, shaped=shards is None), kept
-
-  return jax.lax.cond(finite, keep, skip)
 
 
 def state_specs(state: Any, axis_name: AxisName) -> Any:
