@@ -141,8 +141,8 @@ def test_skip_by_cond_and_by_selects_give_the_same_steps(mesh, monkeypatch, mode
   runs = []
   for backends in (("cpu",), ()):
     monkeypatch.setattr(loco_module, "SKIP_BY_COND", backends)
-    step, (state, _) = _sharded_step(opt, mesh, out_spec), parallel.init_opt_state(opt, PARAMS,
-                                                                                   mesh)
+    step = _sharded_step(opt, mesh, out_spec)
+    state, _ = parallel.init_opt_state(opt, PARAMS, mesh)
     seen = []
     for seed in range(3):
       grads = _device_grads(seed)

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from loco_jax.core import quant
+from loco_jax.core import leaves, quant
 
 IMPLEMENTATIONS = ("auto", "jnp", "pallas")
 # Pallas tiles: scale blocks per program instance (each tile row is one whole scale block, so
@@ -174,7 +174,8 @@ def _tiled(step, inputs, blocks: int, tile: int, overwrite: dict[int, int]):
   outs = [None if s is None else inputs[overwrite[k]] if k in overwrite else
           jnp.zeros((blocks, *s.shape[1:]), s.dtype) if s.ndim else jnp.bool_(True)
           for k, s in enumerate(shapes)]
-  outs = [o if o is None else _varying_like(o, inputs[0]) for o in outs]
+  # Under jax.shard_map the loop's carry varies over the axes that the inputs vary over.
+  outs = [o if o is None else leaves.vary_like(o, inputs[0]) for o in outs]
 
   def body(i, outs):
     got = step(*[take(outs[source[j]] if j in source else x, i) for j, x in enumerate(inputs)])
@@ -186,14 +187,6 @@ def _tiled(step, inputs, blocks: int, tile: int, overwrite: dict[int, int]):
             for o, r in zip(outs, got)]
 
   return jax.lax.fori_loop(0, -(-blocks // tile), body, outs)
-
-
-def _varying_like(x: jax.Array, like: jax.Array) -> jax.Array:
-  """x, typed as varying over the manual axes that `like` varies over (under jax.shard_map a
-  loop's carry must be typed as what the loop body makes of it)."""
-  missing = tuple(sorted(set(jax.typeof(like).manual_axis_type.varying)
-                         - set(jax.typeof(x).manual_axis_type.varying)))
-  return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
 def dequantize_planes(word: jax.Array, scale: jax.Array, bits: int,
@@ -235,7 +228,7 @@ def mean_jnp(packed_NxBxP, scales_NxB, bits, unroll: bool):
       total = total + peer(j)
   else:
     total = jax.lax.fori_loop(0, shards, lambda j, acc: acc + peer(j),
-                              _varying_like(total, packed_NxBxP))
+                              leaves.vary_like(total, packed_NxBxP))
   return quant.saturate(total * np.float32(up)).reshape(-1)
 
 
