@@ -132,15 +132,15 @@ def test_non_finite_on_one_device_skips_the_step_on_every_device(mesh):
 
 @pytest.mark.parametrize("mode", [dict(), dict(gather="quantized"), dict(scatter=True)])
 def test_skip_by_cond_and_by_selects_give_the_same_steps(mesh, monkeypatch, mode):
-  # CPU skips a non-finite step with one lax.cond (`loco.SKIP_BY_COND`), other backends with
+  # CPU skips a non-finite step with one lax.cond (`leaves.SKIP_BY_COND`), other backends with
   # selects per leaf: both give the same updates and states, bit for bit (the same arithmetic),
   # over a finite step, a non-finite one and a finite one again.
-  from loco_jax.transforms import loco as loco_module
+  from loco_jax.core import leaves
   opt = loco(axis_name="data", **mode)
   out_spec = P("data") if mode.get("scatter") else P()
   runs = []
   for backends in (("cpu",), ()):
-    monkeypatch.setattr(loco_module, "SKIP_BY_COND", backends)
+    monkeypatch.setattr(leaves, "SKIP_BY_COND", backends)
     step = _sharded_step(opt, mesh, out_spec)
     state, _ = parallel.init_opt_state(opt, PARAMS, mesh)
     seen = []

@@ -4,7 +4,8 @@ Every transformation (loco, two_hop, co3, the baselines) runs the same plumbing 
 step. `split` takes the gradient tree: the leaves to compress (float, non-empty), grouped by the
 mesh axes over which they differ from device to device. `Leaves.flat` hands each one to the step
 as a flat float32 vector; the step compresses, exchanges and averages one group at a time; and
-`Leaves.outputs`, `Leaves.agree` and `keep_if` put the results back (the leaves' shapes and
+`Leaves.outputs`, `Leaves.agree` and `keep_if` (or `Leaves.keep_or_skip`, for a step
+that takes its results out of buckets) put the results back (the leaves' shapes and
 dtypes; the state kept wherever some gradient was not finite, on every device alike).
 
 Local blocks. A leaf may be sharded over mesh axes that the transformation does not average
@@ -41,6 +42,9 @@ AxisNames = str | tuple[str, ...] | None
 _TOLD = contextvars.ContextVar("loco_jax_leaf_specs", default=None)
 _LOCALIZED = contextvars.ContextVar("loco_jax_localized_axes", default=())
 _WARNED: set = set()
+# Backends on which `Leaves.keep_or_skip` skips a non-finite step with one lax.cond; elsewhere
+# it selects each leaf's state and adds the NaN flags to each leaf's update.
+SKIP_BY_COND = ("cpu",)
 
 
 def compressible(x) -> bool:
@@ -129,19 +133,25 @@ class Leaves(NamedTuple):
         out[i] = quant.saturating_cast(v.reshape(g.shape if shaped else v.shape), g.dtype)
     return self.treedef.unflatten(out)
 
-  def keep_or_skip(self, finite: jax.Array, taken: Callable, old: list,
+  def keep_or_skip(self, flags: jax.Array, taken: Callable, old: list,
                    likes: tuple[dict, dict], shards: int | None) -> tuple[Any, list]:
-    """(the update, the new state fields per leaf) where `finite`, else (NaN, `old`).
+    """(the update, the new state fields per leaf): `taken()`'s values and state where the
+    flags are finite (0), else NaN updates and `old`.
 
-    One lax.cond, with the leaves taken out of the buckets (`taken()`) on its keep branch only:
-    each leaf's update and state is then a bare slice. A select of the state and an add of the
-    flags per leaf made ~150 more kernels for XLA:CPU to compile on the GPT-2-shaped tree (0.6 s,
-    docs/PERFORMANCE.md). A GPU reads a cond's predicate back to the host, which stalls its
-    stream: there (not in loco's `SKIP_BY_COND`) the step selects and adds per leaf instead.
+    `taken()` -> (flat values per leaf, new state fields: lists per leaf) takes the step's
+    results out of its buckets. On `SKIP_BY_COND` backends this is one lax.cond that calls it
+    on its keep branch only, so each leaf's update and state is a bare slice: a select of the
+    state and an add of the flags per leaf made ~150 more kernels for XLA:CPU to compile on the
+    GPT-2-shaped tree (0.6 s, docs/PERFORMANCE.md). A GPU reads a cond's predicate back to the
+    host, which stalls its stream: there the step selects and adds per leaf instead.
     `likes`: per sent leaf, an array typed like its values and one like its new state (the
     manual axes they vary over, which both branches must match). `shards`: the update is each
     leaf's flat shard over that many devices (scatter), not the leaf.
     """
+    finite = jnp.isfinite(flags)
+    if jax.default_backend() not in SKIP_BY_COND:
+      values, new = taken()
+      return self.outputs(values, flags, shaped=shards is None), keep_if(finite, new, old)
     value_like, state_like = likes
 
     def keep():

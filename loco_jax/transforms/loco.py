@@ -13,9 +13,6 @@ from loco_jax.core import buckets, feedback, leaves, quant, trees
 from loco_jax.comm import AxisName, bucketed
 
 GATHER_MODES = ("bf16", "quantized")
-# Backends on which a non-finite step is skipped by one lax.cond (`Leaves.keep_or_skip`);
-# elsewhere by a select of each leaf's state and the NaN flags added to each leaf's update.
-SKIP_BY_COND = ("cpu",)
 
 # What `loco` uses for the arguments left at None, by bit width (the "Low-bit LoCo" sweep in
 # docs/EXPERIMENTS.md chose 2 and 3 bits; every other width keeps the paper's recipe).
@@ -339,8 +336,6 @@ def loco(
       likes[1].update(dict.fromkeys(group, state_like))
       flags = flags + group_flags
     flags = parts.agree(flags)  # every shard, like every device of the axis, keeps or skips
-    finite = jnp.isfinite(flags)
-    flat_output = scatter and axis_name is not None
 
     def taken() -> tuple[list, list]:
       values, new = [None] * len(parts.leaves), [list(f) for f in old]
@@ -350,14 +345,9 @@ def loco(
         new = [leaves.merge(n, f) for n, f in zip(group_new, new)]
       return values, new
 
-    if jax.default_backend() in SKIP_BY_COND:
-      update, kept = parts.keep_or_skip(finite, taken, old, likes,
-                                        rows_on_axis() if flat_output else None)
-    else:
-      values, new = taken()
-      update = parts.outputs(values, flags, shaped=not flat_output)
-      kept = leaves.keep_if(finite, new, old)
-    return update, LocoState(jnp.where(finite, optax.safe_increment(k), k),
+    update, kept = parts.keep_or_skip(
+        flags, taken, old, likes, rows_on_axis() if scatter and axis_name is not None else None)
+    return update, LocoState(jnp.where(jnp.isfinite(flags), optax.safe_increment(k), k),
                              *[parts.tree(x, like) for x, like in zip(kept, fields)])
 
   init_fn = leaves.local_init(init_body, axis_name, specs, "loco")
