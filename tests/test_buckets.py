@@ -50,15 +50,29 @@ def test_every_leaf_row_lies_in_whole_blocks_of_its_own(sizes, rows, block_size)
 
 def test_small_leaves_are_not_padded_to_a_full_block():
   p = buckets.plan((96, 256, 4096, 2040, 2048 + 32), 1, 2048)
-  # 96 = 3 x 32, 256 in one block of 256, 32 past a full block in one of 32; 2040 padded to a
+  # 96 = 3 x 32, 256 = 8 x 32 (one block of 256 would save 28 bytes of scales, under 0.5% of
+  # the plan's: not worth a third bucket), 32 past a full block in one of 32; 2040 padded to a
   # full block (8 values of padding cost less than the scales of shorter blocks).
-  assert p.block_lens == (2048, 256, 32)
-  assert [leaf.blocks for leaf in p.leaves] == [3, 1, 2, 1, 2]
+  assert p.block_lens == (2048, 32)
+  assert [leaf.blocks for leaf in p.leaves] == [3, 8, 2, 1, 2]
   # The GPT-2-shaped tree on 8 devices: shards of 32, 96 and 128 values and whole blocks.
   p = buckets.plan((256, 768, 1024, 65536, 196608), 8, 2048)
-  assert p.block_lens == (2048, 128, 32)
+  assert p.block_lens == (2048, 32)
   assert all(leaf.row_len == sum(q.blocks * p.block_lens[q.bucket] for q in leaf.pieces)
              for leaf in p.leaves)
+
+
+def test_a_second_short_length_is_taken_where_it_saves_bytes():
+  sizes = (256, 768, 1024, 65536, 196608)
+  # Over 64 devices the big leaves' shards (1024 and 3072 values) are shorter than a block too.
+  rests = [comm.shard_len(n, 64) % 2048 for n in sizes]
+  many = buckets.plan(sizes, 64, 2048)
+  assert len(many.block_lens) == 3
+  sent = lambda lengths: sum(buckets._remainder_pieces(r, 2048, lengths)[0] for r in rests)
+  shorter = tuple(n for n in many.block_lens if n < 2048)
+  row_bytes = sum(comm.shard_len(n, 64) for n in sizes) * 2.5
+  single = min(sent((8 * 2 ** k,)) for k in range(8))
+  assert single > sent(shorter) + 0.01 * row_bytes  # more than 1% more bytes with one length
 
 
 @settings(max_examples=5, deadline=None)

@@ -168,7 +168,7 @@ def _tiled(step, inputs, blocks: int, tile: int, overwrite: dict[int, int]):
   are done already keep their outputs (their inputs may be overwritten by then: blocks are
   independent, so what the tile computes for them again is discarded)."""
   at = lambda i: jnp.minimum(i * tile, blocks - tile)
-  take = lambda x, i: jax.lax.dynamic_slice_in_dim(x, at(i), tile)
+  take = lambda x, i: jax.lax.dynamic_slice_in_dim(x, at(i), tile, allow_negative_indices=False)
   shapes = jax.eval_shape(step, *[take(x, 0) for x in inputs])
   source = {overwrite[k]: k for k, s in enumerate(shapes) if k in overwrite and s is not None}
   outs = [None if s is None else inputs[overwrite[k]] if k in overwrite else
@@ -183,7 +183,8 @@ def _tiled(step, inputs, blocks: int, tile: int, overwrite: dict[int, int]):
     keep = lambda o, r: r if blocks % tile == 0 else jnp.where(
         done.reshape(-1, *[1] * (r.ndim - 1)), take(o, i), r)
     return [None if o is None else o & r if o.ndim == 0 else
-            jax.lax.dynamic_update_slice_in_dim(o, keep(o, r), at(i), 0)
+            jax.lax.dynamic_update_slice_in_dim(o, keep(o, r), at(i), 0,
+                                                allow_negative_indices=False)
             for o, r in zip(outs, got)]
 
   return jax.lax.fori_loop(0, -(-blocks // tile), body, outs)
