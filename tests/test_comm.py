@@ -156,6 +156,37 @@ def test_skip_by_cond_and_by_selects_give_the_same_steps(mesh, monkeypatch, mode
                runs[0], runs[1])
 
 
+@pytest.mark.parametrize("shapes", [{"w": (8, 1024)}, {"w": (8, 1024), "b": (96,)}])
+def test_local_steps_checked_first_are_those_of_selects(monkeypatch, shapes):
+  # Local mode on CPU where a leaf is a whole bucket checks the gradients first and skips in
+  # the step (no cond, which would copy that leaf); other backends select per leaf: the same
+  # updates and states bit for bit over finite steps, a non-finite one on which a reset was
+  # due (the error is kept, not reset) and a finite one after it.
+  from loco_jax.core import buckets, leaves
+  params = {k: jnp.zeros(v) for k, v in shapes.items()}
+  assert buckets.plan(tuple(x.size for x in params.values()), 1, 1024).has_bare_leaf()
+  runs = []
+  for backends in (("cpu",), ()):
+    monkeypatch.setattr(leaves, "SKIP_BY_COND", backends)
+    opt = loco(block_size=1024, reset_interval=2)  # a new function: traced afresh
+    step, state, seen = jax.jit(opt.update), opt.init(params), []
+    rng = np.random.default_rng(0)
+    for k in range(4):
+      grads = {n: jnp.asarray(rng.standard_normal(x.shape), jnp.float32)
+               for n, x in params.items()}
+      if k == 2:
+        grads["w"] = grads["w"].at[3, 5].set(jnp.inf)
+      out, state = step(grads, state)
+      seen.append((out, state))
+    runs.append(seen)
+  skipped_out, skipped_state = runs[0][2]
+  assert all(np.all(np.isnan(np.asarray(x))) for x in jax.tree.leaves(skipped_out))
+  assert int(skipped_state.count) == 2
+  assert np.any(np.asarray(skipped_state.error["w"]) != 0)  # kept, not reset
+  jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)),
+               runs[0], runs[1])
+
+
 def test_a_tree_with_nothing_to_compress_passes_through(mesh):
   params = {"step": jnp.zeros((8,), jnp.int32)}
   opt = loco(axis_name="data")

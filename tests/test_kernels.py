@@ -215,6 +215,31 @@ def test_unrolled_and_looped_means_are_the_same_sums(bits):
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("blocks", [4, 18])  # 18: tiles of 4 on CPU, the last overlapping
+def test_a_step_known_to_be_skipped_keeps_its_error_and_sends_nan(monkeypatch, implementation,
+                                                                  blocks):
+  monkeypatch.setattr(arithmetic, "CPU_TILE_BLOCKS", 4)
+  extra = dict(interpret=True) if implementation == "pallas" else {}
+  step = jax.jit(lambda g, e, s, skip: kernels.compress_step(
+      g, e, s, reset=True, decompressed=True, implementation=implementation, skip=skip,
+      **extra))
+  rng = np.random.default_rng(0)
+  g = _gradients(0, blocks)
+  error = rng.integers(-127, 128, blocks * BLOCK).astype(np.int8)
+  error_scale = np.exp(rng.standard_normal(blocks) + 3).astype(F32)
+  skipped = step(g, error, error_scale, jnp.bool_(True))
+  # Kept as given although a reset was due; the decompressed values NaN.
+  np.testing.assert_array_equal(np.asarray(skipped.error), error)
+  np.testing.assert_array_equal(np.asarray(skipped.error_scale), error_scale)
+  assert np.all(np.isnan(np.asarray(skipped.decompressed)))
+  taken = step(g, error, error_scale, jnp.bool_(False))
+  plain = _jit_step(implementation)(g, error, error_scale, jnp.bool_(True))
+  for got, want in zip(taken, plain):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  assert np.any(np.asarray(taken.error) != error)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 def test_non_finite_gradient_is_reported(implementation, bad):
   g = jnp.asarray(_gradients(0, 4)).at[5 * 997].set(bad)

@@ -59,6 +59,12 @@ class Plan(NamedTuple):
   blocks: tuple[int, ...]       # per bucket: blocks of each row
   leaves: tuple[LeafPlan | None, ...]
 
+  def has_bare_leaf(self) -> bool:
+    """Whether some leaf is a whole bucket without padding: taken out, it is the bucket."""
+    return any(leaf is not None and len(leaf.pieces) == 1 and leaf.size == self.rows * leaf.row_len
+               and leaf.row_len == self.blocks[leaf.pieces[0].bucket] * self.block_lens[
+                   leaf.pieces[0].bucket] for leaf in self.leaves)
+
   def bucket_layouts(self) -> list[LeafLayout]:
     """Each bucket as a `layout.LeafLayout` of `rows` rows (for comm's gathers)."""
     return [LeafLayout(self.rows * b * n, self.rows, b * n, b, n)
@@ -175,6 +181,13 @@ def to_buckets(flats: Sequence[jax.Array | None], p: Plan) -> list[jax.Array]:
       n = p.block_lens[q.bucket]
       parts[q.bucket].append(x[:, q.start: q.start + q.blocks * n].reshape(p.rows, q.blocks, n))
   return _concatenated(parts, dtype)
+
+
+def finite(bucket: jax.Array) -> jax.Array:
+  """Whether every value of a bucket is finite. A sum of x * 0 (NaN exactly where some x is
+  inf or NaN): one pass that XLA:CPU reduces as it reads, where an `all(isfinite(x))`
+  writes out a bool per value first."""
+  return jnp.isfinite(jnp.sum(bucket * np.float32(0)))
 
 
 def starts(p: Plan, count: jax.Array) -> list[list | None]:

@@ -126,17 +126,22 @@ def is_constant(x) -> bool:
 
 
 def _compress_whole(g_BxL, error_BxL, error_scale_B, bits, error_bits, beta, fixed_scale,
-                    fixed_error_scale, with_decompressed, scale_method, clip_rms):
+                    fixed_error_scale, with_decompressed, scale_method, clip_rms, skip):
   q, scale, new_error, new_scale, finite, d = step_planes(
       [g_BxL], [error_BxL], error_scale_B[:, None], bits, error_bits, beta, fixed_scale,
       fixed_error_scale, with_decompressed, scale_method, clip_rms)
-  return (quant.pack(q[0].astype(jnp.int8), bits), scale[:, 0], new_error[0].astype(jnp.int8),
-          new_scale[:, 0], jnp.all(finite), d[0] if with_decompressed else None)
+  new_error = new_error[0].astype(jnp.int8)
+  d = d[0] if with_decompressed else None
+  if skip is not None:  # a step known to be skipped keeps its error codes and sends NaN
+    new_error = jnp.where(skip, error_BxL, new_error)
+    d = None if d is None else jnp.where(skip, jnp.nan, d)
+  return (quant.pack(q[0].astype(jnp.int8), bits), scale[:, 0], new_error, new_scale[:, 0],
+          jnp.all(finite), d)
 
 
 def compress_jnp(g_BxL, error_BxL, error_scale_B, bits, error_bits, beta, fixed_scale,
                   fixed_error_scale, with_decompressed, backend, scale_method="absmax",
-                  clip_rms=None):
+                  clip_rms=None, skip=None):
   """The XLA formulation. XLA:CPU materializes every reduction's input (h, then the residual),
   so on CPU the step runs tile by tile (about `CPU_TILE_BLOCKS` blocks of 2048) and those
   passes stay in cache; elsewhere XLA fuses the reductions into their producers and takes the
@@ -146,7 +151,7 @@ def compress_jnp(g_BxL, error_BxL, error_scale_B, bits, error_bits, beta, fixed_
   step = functools.partial(_compress_whole, bits=bits, error_bits=error_bits, beta=beta,
                            fixed_scale=fixed_scale, fixed_error_scale=fixed_error_scale,
                            with_decompressed=with_decompressed, scale_method=scale_method,
-                           clip_rms=clip_rms)
+                           clip_rms=clip_rms, skip=skip)
   if backend != "cpu" or tile == blocks:
     out = step(g_BxL, error_BxL, error_scale_B)
   else:

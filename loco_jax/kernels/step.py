@@ -180,7 +180,7 @@ def compress_step(g: jax.Array, error: jax.Array, error_scale: jax.Array | None,
                   fixed_error_scale: float | None = None, implementation: str = "auto",
                   tile_blocks: int | None = None, num_warps: int | None = None,
                   interpret: bool | None = None, scale_method: str = "absmax",
-                  clip_rms: float | None = None) -> Compressed:
+                  clip_rms: float | None = None, skip: jax.Array | None = None) -> Compressed:
   """LoCo's step on a flat vector whose size is a multiple of block_size.
 
   What `loco()` runs on each bucket: e = error / error_scale (0 if `reset`), h = g + e,
@@ -198,6 +198,9 @@ def compress_step(g: jax.Array, error: jax.Array, error_scale: jax.Array | None,
   (loco then keeps its previous state); a finite g gives finite outputs: e, g + e, q / s and
   the residual saturate at the float32 maximum, and scales stay at least `quant.TINY`.
   With a fixed scale, `scales` (or `error_scale`) holds that value for every block.
+  `skip` (bool []): a step known beforehand to be skipped, as loco's local mode on CPU checks
+  the gradients first: where true, `error` and `error_scale` come back as given (no reset) and
+  `decompressed` is NaN (the payload is unspecified), in the same pass as the step.
   Example:
     >>> g = jnp.linspace(-1.0, 1.0, 2 * 2048)
     >>> out = compress_step(g, jnp.zeros(g.size, jnp.int8), jnp.zeros(g.size // 2048))
@@ -223,10 +226,16 @@ def compress_step(g: jax.Array, error: jax.Array, error_scale: jax.Array | None,
           decompressed, backend)
   scaling = dict(scale_method=scale_method, clip_rms=clip_rms)
   if name == "jnp":
-    out = compress_jnp(*args, **scaling)
+    out = Compressed(*compress_jnp(*args, **scaling, skip=skip))
   else:
-    out = compress_pallas(*args, interpret, tile_blocks, num_warps, **scaling)
-  return Compressed(*out)
+    out = Compressed(*compress_pallas(*args, interpret, tile_blocks, num_warps, **scaling))
+    if skip is not None:
+      out = out._replace(error=jnp.where(skip, error, out.error), decompressed=None if
+                         out.decompressed is None else jnp.where(skip, jnp.nan, out.decompressed))
+  if skip is not None and error_scale is not None:
+    out = out._replace(error_scale=jnp.where(skip, error_scale.astype(jnp.float32),
+                                             out.error_scale))
+  return out
 
 
 def dequantize_mean(received: jax.Array, scales: jax.Array, *, bits: int = 4,
