@@ -289,6 +289,8 @@ def test_bad_arguments_name_what_was_expected():
     kernels.compress_step(jnp.zeros(BLOCK + 8), jnp.zeros(BLOCK + 8, jnp.int8), error_scale)
   with pytest.raises(ValueError, match="error must be int8"):
     kernels.compress_step(g, error.astype(jnp.int32), error_scale)
+  with pytest.raises(ValueError, match="skip must be a bool scalar"):
+    kernels.compress_step(g, error, error_scale, skip=jnp.zeros(3, bool))
   with pytest.raises(ValueError, match="error_scale must be"):
     kernels.compress_step(g, error, jnp.zeros(4))
   with pytest.raises(ValueError, match="exactly one of them"):

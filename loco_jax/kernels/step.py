@@ -210,6 +210,9 @@ def compress_step(g: jax.Array, error: jax.Array, error_scale: jax.Array | None,
   blocks = _check_compress(g.size, error, error_scale, fixed_error_scale, bits, error_bits,
                            block_size)
   quant.check_scale_method(scale_method, clip_rms)
+  if skip is not None and (jnp.shape(skip) != () or jnp.result_type(skip) != jnp.bool_):
+    raise ValueError(f"skip must be a bool scalar (or None), got {jnp.result_type(skip)} "
+                     f"{tuple(jnp.shape(skip))}")
   if fixed_scale is not None and scale_method != "absmax":
     raise ValueError(f"scale_method={scale_method!r} computes block scales; a fixed_scale "
                      f"replaces them: pass one or the other")
