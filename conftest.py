@@ -1,6 +1,8 @@
 """Shared by the tests and the doctests: eight simulated CPU devices (set before jax is first
-imported), the names the public API's docstring examples use, and the `numerics` marker."""
+imported), the names the public API's docstring examples use, the `numerics` marker, and
+Python's SIGINT handler for the tests that send themselves Ctrl-C."""
 import os
+import signal
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
@@ -36,6 +38,16 @@ def pytest_collection_modifyitems(config, items):
   for item in items:
     if item.path.name in NUMERICS:
       item.add_marker(pytest.mark.numerics)
+
+
+@pytest.fixture
+def sigint_raises():
+  """SIGINT raises KeyboardInterrupt during the test, however the runner was started: a
+  command started in the background without job control (`cmd &` in a script) inherits
+  SIGINT ignored, and Python then leaves it ignored."""
+  previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+  yield
+  signal.signal(signal.SIGINT, previous)
 
 
 @pytest.fixture(autouse=True)

@@ -230,7 +230,8 @@ def _snapshot(folder) -> dict[str, bytes]:
   return {p.name: p.read_bytes() for p in folder.iterdir()}
 
 
-def test_interrupted_write_keeps_the_previous_outputs(tmp_path, monkeypatch, capsys):
+def test_interrupted_write_keeps_the_previous_outputs(tmp_path, monkeypatch, capsys,
+                                                     sigint_raises):
   text = tmp_path / "corpus.txt"
   text.write_bytes(TEXT)
   out = tmp_path / "runs" / "out"

@@ -71,7 +71,7 @@ def test_replace_folder_needs_one_parent(tmp_path):
     files.replace_folder(tmp_path / "a", tmp_path / "b" / "out")
 
 
-def test_sigint_waits_for_the_renames():
+def test_sigint_waits_for_the_renames(sigint_raises):
   reached = []
   with pytest.raises(KeyboardInterrupt):
     with files._sigint_deferred():
@@ -121,7 +121,7 @@ def test_any_change_is_named(tmp_path_factory, name, change, at):
     files.check_digests(folder, listed)
 
 
-def test_sigint_during_the_renames_comes_after_them(tmp_path, monkeypatch):
+def test_sigint_during_the_renames_comes_after_them(tmp_path, monkeypatch, sigint_raises):
   """Ctrl-C between the renames: the new set is put in place whole, then it interrupts."""
   target = _fill(tmp_path / "out", OLD)
   staging = _fill(files.staging_folder(target), NEW)
