@@ -134,7 +134,8 @@ class Leaves(NamedTuple):
     return self.treedef.unflatten(out)
 
   def keep_or_skip(self, flags: jax.Array, taken: Callable, old: list,
-                   likes: tuple[dict, dict], shards: int | None) -> tuple[Any, list]:
+                   likes: tuple[dict, dict], shards: int | None,
+                   checked: bool = False) -> tuple[Any, list]:
     """(the update, the new state fields per leaf): `taken()`'s values and state where the
     flags are finite (0), else NaN updates and `old`.
 
@@ -146,8 +147,13 @@ class Leaves(NamedTuple):
     host, which stalls its stream: there the step selects and adds per leaf instead.
     `likes`: per sent leaf, an array typed like its values and one like its new state (the
     manual axes they vary over, which both branches must match). `shards`: the update is each
-    leaf's flat shard over that many devices (scatter), not the leaf.
+    leaf's flat shard over that many devices (scatter), not the leaf. `checked`: the flags were
+    known before the step, which itself wrote NaN values and kept the state where they are not
+    finite: `taken()` is the result as it stands.
     """
+    if checked:
+      values, new = taken()
+      return self.outputs(values, None, shaped=shards is None), new
     finite = jnp.isfinite(flags)
     if jax.default_backend() not in SKIP_BY_COND:
       values, new = taken()

@@ -232,9 +232,9 @@ def compress_step(g: jax.Array, error: jax.Array, error_scale: jax.Array | None,
     out = Compressed(*compress_jnp(*args, **scaling, skip=skip))
   else:
     out = Compressed(*compress_pallas(*args, interpret, tile_blocks, num_warps, **scaling))
-    if skip is not None:
-      out = out._replace(error=jnp.where(skip, error, out.error), decompressed=None if
-                         out.decompressed is None else jnp.where(skip, jnp.nan, out.decompressed))
+    if skip is not None:  # the kernel takes no skip: the same selects, after it
+      nan = None if out.decompressed is None else jnp.where(skip, jnp.nan, out.decompressed)
+      out = out._replace(error=jnp.where(skip, error, out.error), decompressed=nan)
   if skip is not None and error_scale is not None:
     out = out._replace(error_scale=jnp.where(skip, error_scale.astype(jnp.float32),
                                              out.error_scale))

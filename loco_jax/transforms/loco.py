@@ -332,7 +332,7 @@ def loco(
     filled = [(group, p, buckets.to_buckets(
         [parts.flat(i) if i in group else None for i in range(len(parts.leaves))], p))
               for group, p in plans(parts)]
-    skip = None
+    checked = None
     if axis_name is None and jax.default_backend() in leaves.SKIP_BY_COND and any(
         p.has_bare_leaf() for _, p, _ in filled):
       # `keep_or_skip`'s lax.cond would copy such a leaf (the bucket itself, an operand of the
@@ -342,7 +342,8 @@ def loco(
       # bucket's arithmetic into every leaf's slice, 32% more kernel code on the GPT-2 tree.)
       finite = functools.reduce(jnp.logical_and, [buckets.finite(g) for _, _, g_b in filled
                                                   for g in g_b])
-      skip = jnp.isnan(parts.agree(leaves.flag(finite)))
+      checked = parts.agree(leaves.flag(finite))
+    skip = None if checked is None else jnp.isnan(checked)
     takes, likes, flags = [], ({}, {}), jnp.float32(0)
     for group, p, g_b in filled:
       take, group_flags, value_like, state_like = exchange(p, k, g_b, old, reset, skip)
@@ -350,7 +351,8 @@ def loco(
       likes[0].update(dict.fromkeys(group, value_like))
       likes[1].update(dict.fromkeys(group, state_like))
       flags = flags + group_flags
-    flags = parts.agree(flags)  # every shard, like every device of the axis, keeps or skips
+    # Every shard, like every device of the axis, keeps or skips.
+    flags = parts.agree(flags) if checked is None else checked
 
     def taken() -> tuple[list, list]:
       values, new = [None] * len(parts.leaves), [list(f) for f in old]
@@ -360,12 +362,9 @@ def loco(
         new = [leaves.merge(n, f) for n, f in zip(group_new, new)]
       return values, new
 
-    if skip is None:
-      update, kept = parts.keep_or_skip(
-          flags, taken, old, likes, rows_on_axis() if scatter and axis_name is not None else None)
-    else:
-      values, kept = taken()
-      update, flags = parts.outputs(values, None), leaves.flag(jnp.logical_not(skip))
+    update, kept = parts.keep_or_skip(
+        flags, taken, old, likes, rows_on_axis() if scatter and axis_name is not None else None,
+        checked=checked is not None)
     return update, LocoState(jnp.where(jnp.isfinite(flags), optax.safe_increment(k), k),
                              *[parts.tree(x, like) for x, like in zip(kept, fields)])
 
