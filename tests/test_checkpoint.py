@@ -216,7 +216,7 @@ def test_round_trip_ddp_and_zero2_and_keep(tmp_path):
     like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                         state)
     state, _ = step_fn(state, train_worker.batch(0, parallel.data_mesh(8)))
-    assert np.asarray(state.compressor_state.error["w1"]).any()  # the LoCo errors are non-zero
+    assert any(np.asarray(e).any() for e in jax.tree.leaves(state.compressor_state.error))
     checkpoint.save(tmp_path / mode, 1, state, config)
     restored, step = checkpoint.restore(tmp_path / mode, like, config)
     assert step == 1 and isinstance(restored, parallel.TrainState)

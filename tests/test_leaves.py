@@ -42,14 +42,8 @@ def test_split_chooses_float_leaves_with_elements_and_outputs_restore_them(tree)
 @settings(max_examples=25, deadline=None)
 @given(st.lists(st.sampled_from([None, "data", "model", ("data", "model")]), min_size=1,
                 max_size=3), st.sets(st.sampled_from(["data", "model"])))
-def test_local_shape_and_kept_axes(entries, kept):
-  sizes = {"data": 4, "model": 2}
+def test_kept_axes(entries, kept):
   spec = P(*entries)
-  shape = tuple(8 * (i + 1) for i in range(len(entries)))
-  local = leaves._local_shape(shape, spec, sizes)
-  for n, block, entry in zip(shape, local, entries):
-    names = () if entry is None else (entry,) if isinstance(entry, str) else entry
-    assert block * int(np.prod([sizes[a] for a in names])) == n
   only = leaves._keep_axes(spec, set(kept))
   assert sorted(leaves._axes_of(only)) == sorted(a for a in leaves._axes_of(spec) if a in kept)
 

@@ -7,6 +7,7 @@ import optax
 import pytest
 
 from loco_jax import kernels, loco
+from loco_jax.transforms.loco_state import error_by_leaf
 
 
 def _np_absmax(blocks, p):
@@ -85,11 +86,11 @@ def test_matches_numpy_reference(scale, error_scale):
   for k in range(steps):
     g = (rng.standard_normal(n) * 0.05).astype(np.float32)
     out, new_state = update(jnp.asarray(g), state)
-    ref.check_step(k, g, state.error, state.error_scale, out, new_state.error,
-                   new_state.error_scale)
+    ref.check_step(k, g, *error_by_leaf(state, g, 1024), out,
+                   *error_by_leaf(new_state, g, 1024))
     state = new_state
   assert int(state.count) == steps
-  assert np.any(np.asarray(state.error) != 0)
+  assert np.any(np.asarray(state.error[""][0]) != 0)
 
 
 def test_leaves_are_compressed_per_bucket_not_per_leaf(monkeypatch):
@@ -108,7 +109,13 @@ def test_leaves_are_compressed_per_bucket_not_per_leaf(monkeypatch):
   assert sorted(calls) == [(6 * 96, 32), (25 * 1024, 1024)]
   for k, x in out.items():
     np.testing.assert_allclose(np.asarray(x), 1.0, err_msg=k)
-  assert state.error["ragged"].shape == (1000,) and state.error_scale["b0"].shape == (3,)
+  # The state is one array per bucket, and per leaf as the leaves lie in them.
+  assert [e.shape for e in state.error[""]] == [(25 * 1024,), (6 * 96,)]
+  error, error_scale = error_by_leaf(state, params, block_size=1024)
+  assert error["ragged"].shape == (1000,) and error_scale["b0"].shape == (3,)
+  # Sorted keys: b0..b5 and ragged (its one block) lie before w3 in the bucket of 1024s.
+  np.testing.assert_array_equal(np.asarray(error["w3"]),
+                                np.asarray(state.error[""][0])[4 * 4096: 5 * 4096])
 
 
 def test_non_finite_gradient_in_a_fused_leaf_outputs_nan_and_keeps_state():
@@ -152,12 +159,13 @@ def test_reset_zeroes_the_error_before_the_step():
   g = jnp.full(8, 0.1)
   _, state = opt.update(g, state)
   _, state = opt.update(g, state)
-  assert np.any(np.asarray(state.error) != 0)
+  assert np.any(np.asarray(state.error[""][0]) != 0)
   fresh = opt.init(jnp.zeros(8))
   _, after_fresh = opt.update(g, fresh)
   _, after_reset = opt.update(g, state)  # k = 2: reset, so the same as a first step
   # Exact: one program (update, run op by op) on the same g with e exactly 0 in both.
-  np.testing.assert_array_equal(np.asarray(after_reset.error), np.asarray(after_fresh.error))
+  np.testing.assert_array_equal(np.asarray(after_reset.error[""][0]),
+                                np.asarray(after_fresh.error[""][0]))
 
 
 def test_vanishing_and_zero_blocks_stay_finite_and_go_to_zero():
@@ -174,7 +182,7 @@ def test_vanishing_and_zero_blocks_stay_finite_and_go_to_zero():
   assert np.all(np.isfinite(np.asarray(outs)))
   np.testing.assert_array_equal(np.asarray(outs[:, 2048:]), 0)
   np.testing.assert_array_equal(np.asarray(outs[-1]), 0)
-  assert np.all(np.isfinite(np.asarray(state.error_scale)))
+  assert np.all(np.isfinite(np.asarray(state.error_scale[""][0])))
 
 
 def test_non_finite_gradient_outputs_nan_and_keeps_state():
@@ -221,7 +229,9 @@ def test_non_float_scalar_and_empty_leaves():
   assert out["scalar"].shape == () and abs(float(out["scalar"]) - 0.7) < 1e-6
   assert out["empty"].shape == (0, 4)
   np.testing.assert_allclose(np.asarray(out["w"]), 1.0)
-  assert state.error["int"].shape == (0,)
+  error, _ = error_by_leaf(state, params)
+  assert error["int"].shape == (0,) and error["empty"].shape == (0,)
+  assert error["w"].shape == (15,) and error["scalar"].shape == (1,)
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -254,12 +264,13 @@ def test_state_costs_about_one_byte_per_parameter():
 
 
 @pytest.mark.parametrize("grads,match", [
-    ({"w": jnp.ones((4, 9)), "b": jnp.ones(8)},
-     r"gradient leaf \['w'\] has shape \(4, 9\), but state.error\['w'\] has shape \(32,\)"),
-    ({"w": jnp.ones((4, 8))}, r"lacks leaf \['b'\], which state.error has"),
-    ({"w": jnp.ones((4, 8)), "b": jnp.ones(8), "c": jnp.ones(2)}, r"has leaf \['c'\]"),
+    ({"w": jnp.ones((4, 9)), "b": jnp.ones(8)}, r"needs 2 arrays of shapes \[\(32,\), \(16,\)\]"),
+    ({"w": jnp.ones((4, 8))}, r"needs 1 arrays of shapes \[\(32,\)\]"),
+    ({"w": jnp.ones((4, 8)), "b": jnp.ones(8), "c": jnp.ones(2)},
+     r"needs 2 arrays of shapes \[\(32,\), \(16,\)\]"),
 ])
-def test_a_gradient_tree_that_does_not_match_the_state_names_the_leaf(grads, match):
+def test_a_gradient_tree_that_does_not_match_the_state_says_what_it_needs(grads, match):
+  # The state holds one array per bucket: what it holds and what these gradients need.
   opt = loco()
   state = opt.init({"w": jnp.zeros((4, 8)), "b": jnp.zeros(8)})
   with pytest.raises(ValueError, match=match):

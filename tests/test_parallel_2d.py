@@ -15,6 +15,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from loco_jax import comm, loco, two_hop
+from loco_jax.core import buckets
 from loco_jax.train import parallel, sharding
 from loco_jax.transforms import baselines
 
@@ -71,6 +72,12 @@ def _specs_of(tree):
   return jax.tree.map(lambda x: x.sharding.spec, tree)
 
 
+def _error_specs(state) -> dict:
+  """The specs of LoCo's error buckets, per group (the axes its leaves are split over)."""
+  return {key: {e.sharding.spec for e in arrays}
+          for key, arrays in state.compressor_state.error.items()}
+
+
 def test_ddp_keeps_model_sharding_and_matches_the_data_mesh():
   mesh = _mesh()
   fp32_2d, state, specs, _ = _train(mesh, _placed(mesh), baselines.uncompressed("data"))
@@ -104,10 +111,16 @@ def test_ddp_with_loco_compresses_model_shards_and_trains_like_the_data_mesh():
   (losses, state, _, _), (loco_1d, _, _, _) = _loco_runs()
   for name, spec in SPECS.items():
     assert sharding.same_specs(state.params[name].sharding.spec, spec), name
-  # LoCo's errors differ per device: over 'data', and over 'model' where the leaf is split.
-  error = _specs_of(state.compressor_state.error)
-  assert error["w1"] == P(("data", "model")) and error["b2"] == P("data")
-  assert state.compressor_state.error["w1"].size == DATA * 16 * 64  # one error per element
+  # LoCo's errors (one array per bucket) differ per device: over 'data', and over 'model' for the
+  # leaves split over it; each device holds the error of its own model blocks (w1's columns,
+  # b1, w2's rows) and of b2.
+  assert _error_specs(state) == {"model": {P(("data", "model"))}, "": {P("data")}}
+  split, whole = buckets.plan((32, 512, 128), DATA, 2048), buckets.plan((4,), DATA, 2048)
+  size = lambda p: sum(p.rows * b * n for b, n in zip(p.blocks, p.block_lens))
+  errors = state.compressor_state.error
+  assert sum(e.size for e in errors["model"]) == DATA * MODEL * size(split)
+  assert sum(e.size for e in errors[""]) == DATA * size(whole)
+  assert size(split) < (16 * 64 + 64 + 64 * 4) // MODEL + 2 * 8 * DATA  # blocks, not leaves
   # 4-bit rounding with error feedback on other blocks (model shards): close, not equal.
   np.testing.assert_allclose(losses, loco_1d, rtol=0.03)
   assert losses[-1] < 0.7 * losses[0]
@@ -185,7 +198,7 @@ def test_zero2_with_loco_on_a_data_model_mesh_trains_like_uncompressed():
                                    mode="zero2")
   plain, _, _, _ = _train(mesh, _placed(mesh), parallel.reduce_scatter("data"), mode="zero2")
   np.testing.assert_allclose(compressed, plain, rtol=0.03)
-  assert _specs_of(state.compressor_state.error)["w2"] == P(("data", "model"))
+  assert _error_specs(state) == {"model": {P(("data", "model"))}, "": {P("data")}}
 
 
 def test_two_hop_through_make_train_step_splits_the_batch_over_both_axes():
@@ -240,7 +253,7 @@ def test_an_explicit_data_model_mesh_keeps_the_params_sharding():
   assert losses[1] < losses[0]
   for name, spec in SPECS.items():
     assert sharding.same_specs(state.params[name].sharding.spec, spec), name
-  assert _specs_of(state.compressor_state.error)["w1"] == P(("data", "model"))
+  assert _error_specs(state) == {"model": {P(("data", "model"))}, "": {P("data")}}
 
 
 def test_what_the_builders_cannot_do_raises():

@@ -21,8 +21,9 @@ those axes but a 4-byte flag (so that every shard keeps or skips a non-finite st
       transformation's `specs=` argument or the `leaf_specs` context manager (PartitionSpecs
       like the params), and it runs as in (b). Told nothing, the step flattens whole leaves
       (GSPMD gathers them over the Auto axes) and warns once.
-A leaf's state follows its layout: flat per-leaf state (LoCo's int8 error, its scales) is
-sharded over all the axes the leaf is, P((axes...)), in `init` as in `update`.
+A leaf's state follows its layout: flat per-leaf state (a baseline's error) is sharded over all
+the axes the leaf is, P((axes...)); per-bucket state (LoCo's) over every axis of the nested
+shard_map; in `init` as in `update`.
 """
 
 import contextlib
@@ -97,6 +98,7 @@ class Leaves(NamedTuple):
   chosen: list[int]             # the leaves to compress (float, non-empty)
   groups: list[list[int]]       # `chosen`, by the non-averaged manual axes they vary over
   spread: tuple[str, ...]       # the axes over which the leaves' shards must keep-or-skip alike
+  group_axes: list[tuple[str, ...]]  # per group: the axes of `spread` its leaves vary over
 
   def flat(self, i: int) -> jax.Array:
     """Leaf i as a flat float32 vector."""
@@ -133,38 +135,31 @@ class Leaves(NamedTuple):
         out[i] = quant.saturating_cast(v.reshape(g.shape if shaped else v.shape), g.dtype)
     return self.treedef.unflatten(out)
 
-  def keep_or_skip(self, flags: jax.Array, taken: Callable, old: list,
-                   likes: tuple[dict, dict], shards: int | None,
-                   checked: bool = False) -> tuple[Any, list]:
-    """(the update, the new state fields per leaf): `taken()`'s values and state where the
-    flags are finite (0), else NaN updates and `old`.
+  def keep_or_skip(self, flags: jax.Array, taken: Callable[[], list], value_like: dict,
+                   new: Any, old: Any, shards: int | None,
+                   checked: bool = False) -> tuple[Any, Any]:
+    """(the update, the state): `taken()`'s values and the `new` state where the flags are
+    finite (0), else NaN updates and the `old` state (trees of one structure).
 
-    `taken()` -> (flat values per leaf, new state fields: lists per leaf) takes the step's
-    results out of its buckets. On `SKIP_BY_COND` backends this is one lax.cond that calls it
-    on its keep branch only, so each leaf's update and state is a bare slice: a select of the
-    state and an add of the flags per leaf made ~150 more kernels for XLA:CPU to compile on the
-    GPT-2-shaped tree (0.6 s, docs/PERFORMANCE.md). A GPU reads a cond's predicate back to the
-    host, which stalls its stream: there the step selects and adds per leaf instead.
-    `likes`: per sent leaf, an array typed like its values and one like its new state (the
-    manual axes they vary over, which both branches must match). `shards`: the update is each
-    leaf's flat shard over that many devices (scatter), not the leaf. `checked`: the flags were
-    known before the step, which itself wrote NaN values and kept the state where they are not
-    finite: `taken()` is the result as it stands.
+    `taken()` -> flat values per leaf takes the step's results out of its buckets. On
+    `SKIP_BY_COND` backends this is one lax.cond that calls it on its keep branch only, so each
+    leaf's update is a bare slice: an add of the flags per leaf made ~150 more kernels for
+    XLA:CPU to compile on the GPT-2-shaped tree (docs/PERFORMANCE.md). A GPU reads a cond's
+    predicate back to the host, which stalls its stream: there the step selects and adds.
+    `value_like`: per sent leaf, an array typed like its values (the manual axes they vary
+    over, which both branches must match). `shards`: the update is each leaf's flat shard over
+    that many devices (scatter), not the leaf. `checked`: the flags were known before the step,
+    which itself wrote NaN values and kept the state where they are not finite: `taken()` and
+    `new` are the result as it stands.
     """
+    shaped = shards is None
     if checked:
-      values, new = taken()
-      return self.outputs(values, None, shaped=shards is None), new
+      return self.outputs(taken(), None, shaped), new
     finite = jnp.isfinite(flags)
     if jax.default_backend() not in SKIP_BY_COND:
-      values, new = taken()
-      return self.outputs(values, flags, shaped=shards is None), keep_if(finite, new, old)
-    value_like, state_like = likes
-
-    def keep():
-      values, new = taken()
-      new = [[n if n is None or o is None else vary_like(n, o)
-              for n, o in zip(new_field, old_field)] for new_field, old_field in zip(new, old)]
-      return self.outputs(values, None, shaped=shards is None), new
+      return self.outputs(taken(), flags, shaped), keep_if(finite, new, old)
+    # Both branches return the state typed alike: varying over the axes either one varies over.
+    new, old = (jax.tree.map(vary_like, new, old), jax.tree.map(vary_like, old, new))
 
     def skip():
       nan = [None] * len(self.leaves)
@@ -172,11 +167,14 @@ class Leaves(NamedTuple):
         size = self.leaves[i].size
         size = size if shards is None else layout.shard_len(size, shards)
         nan[i] = vary_like(jnp.full((size,), jnp.nan, jnp.float32), value_like[i])
-      kept = [[o if o is None or i not in state_like else vary_like(o, state_like[i])
-               for i, o in enumerate(field)] for field in old]
-      return self.outputs(nan, None, shaped=shards is None), kept
+      return self.outputs(nan, None, shaped), old
 
-    return jax.lax.cond(finite, keep, skip)
+    return jax.lax.cond(finite, lambda: (self.outputs(taken(), None, shaped), new), skip)
+
+
+def group_key(axes: tuple[str, ...]) -> str:
+  """A group's name in per-group state: its axes joined by commas ("" for leaves not split)."""
+  return ",".join(axes)
 
 
 def split(updates: Any, averaged: AxisNames = None) -> Leaves:
@@ -198,7 +196,7 @@ def split(updates: Any, averaged: AxisNames = None) -> Leaves:
   spread = set().union(*keys) if keys else set()
   if averaged is None:  # local mode: only the axes this core split keep-or-skip together
     spread &= set(_LOCALIZED.get())
-  return Leaves(leaves, treedef, chosen, list(keys.values()), tuple(sorted(spread)))
+  return Leaves(leaves, treedef, chosen, list(keys.values()), tuple(sorted(spread)), list(keys))
 
 
 # --- Local blocks of sharded leaves ---------------------------------------------------------
@@ -328,17 +326,25 @@ def _warn_if_gathered(leaves: list, context, averaged: AxisNames, told, who: str
 
 def _state_specs(state: Any, treedef: Any, lay: _Layout) -> Any:
   """Specs of a transformation's state on the nested shard_map: a field shaped like the
-  gradient tree follows each leaf (flat, over the leaf's axes); other arrays with a dimension
-  (per-device statistics) are split over every axis; scalars (step counters) are replicated."""
-  def field(value):
+  gradient tree follows each leaf (flat, over the leaf's axes); a field that a state class lists
+  in `BY_BUCKET` is a dict keyed by `group_key` (the axes its arrays' leaves are split over) and
+  split over those; other arrays with a dimension (per-device statistics) are split over every
+  axis; scalars (step counters) are replicated."""
+  by_bucket = getattr(state, "BY_BUCKET", ())
+
+  def field(value, name=None):
     if value is None:
       return None
+    if name in by_bucket:  # {group key: arrays}, split over the group's axes
+      return {key: jax.tree.map(lambda _, key=key: P(tuple(
+          a for a in lay.axes if a in key.split(","))) if key else P(), arrays)
+              for key, arrays in value.items()}
     if jax.tree.structure(value) == treedef:
       return treedef.unflatten([P(axes) if axes and np.ndim(v) else P()
                                 for v, axes in zip(treedef.flatten_up_to(value), lay.leaf_axes)])
     return jax.tree.map(lambda v: P(lay.axes) if np.ndim(v) else P(), value)
   if isinstance(state, tuple) and hasattr(state, "_fields"):
-    return type(state)(*[field(v) for v in state])
+    return type(state)(*[field(v, name) for v, name in zip(state, state._fields)])
   return field(state)
 
 
@@ -375,23 +381,18 @@ def local_init(init_fn: Callable, averaged: AxisNames = None, specs: Any = None,
     if lay is None:
       return init_fn(params)
     treedef = jax.tree.structure(params)
-    sizes = dict(lay.mesh.shape)
-    local = treedef.unflatten([
-        jax.ShapeDtypeStruct(_local_shape(x.shape, spec, sizes), x.dtype)
-        for x, spec in zip(jax.tree.leaves(params), lay.specs)])
-    out_specs = _state_specs(jax.eval_shape(init_fn, local), treedef, lay)
-    return _local_call(init_fn, compiled, lay, (treedef.unflatten(lay.specs),), out_specs,
-                       params)
+    in_specs = (treedef.unflatten(lay.specs),)
+    # The state's shapes as the nested shard_map sees the local blocks: where a state is per
+    # group of leaves (split over 'model' or not), only there do the groups show.
+    seen = []
+    probe = lambda p: seen.append(jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), init_fn(p))) or jnp.zeros(())
+    jax.eval_shape(jax.shard_map(_inside(probe, lay.axes), mesh=lay.mesh, in_specs=in_specs,
+                                 out_specs=P(), axis_names=set(lay.axes)), params)
+    out_specs = _state_specs(seen[0], treedef, lay)
+    return _local_call(init_fn, compiled, lay, in_specs, out_specs, params)
   compiled = {}
   return wrapped
-
-
-def _local_shape(shape: tuple, spec: P, sizes: dict) -> tuple:
-  out = list(shape)
-  for d, entry in enumerate(tuple(spec)):
-    for a in _axes_of(P(entry)):
-      out[d] //= sizes[a]
-  return tuple(out)
 
 
 def local_update(update_fn: Callable, averaged: AxisNames = None, specs: Any = None,

@@ -37,7 +37,7 @@ def init_opt_state(optimizer: optax.GradientTransformation, params, mesh: Mesh,
   Example:
     >>> opt = optax.chain(loco_jax.loco(axis_name="data"), optax.adamw(1e-3))
     >>> state, specs = init_opt_state(opt, params, data_mesh())
-    >>> specs[0].error["w"] == P("data")   # LoCo's error differs per device
+    >>> specs[0].error[""][0] == P("data")   # LoCo's error differs per device
     True
   """
   specs = opt_state_specs(optimizer, params, mesh, axis_name)

@@ -86,13 +86,28 @@ def shapes_of(params: Any) -> Any:
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), params)
 
 
-def _per_device_shapes(init: Callable, params: Any, mesh: Mesh, data: tuple[str, ...]):
+def _per_device_shapes(init: Callable, params: Any, mesh: Mesh, data: tuple[str, ...],
+                       specs: Any = None):
   """`init(params)`'s shapes on one device (data axes bound, so init can ask their size), and
-  its data specs: `state_specs` splits fields that differ per device over the data axes."""
-  bound = lambda _: init(params)
-  for name in reversed(data):
-    bound = jax.vmap(bound, axis_name=name, axis_size=mesh.shape[name])
-  stacked = jax.eval_shape(bound, jnp.zeros([mesh.shape[a] for a in data]))
+  its data specs: `state_specs` splits fields that differ per device over the data axes.
+  With `specs` (the full-shaped params' specs) init runs on the blocks of a shard_map manual
+  over the model axes, as the train step runs it: LoCo's state there is per group of leaves,
+  split over 'model' or not."""
+  def per_device(p):
+    bound = lambda _: init(p)
+    for name in reversed(data):
+      bound = jax.vmap(bound, axis_name=name, axis_size=mesh.shape[name])
+    return bound(jnp.zeros([mesh.shape[a] for a in data]))
+  model = model_axes(mesh, data)
+  if specs is None or not model:
+    stacked = jax.eval_shape(per_device, params)
+  else:
+    seen = []
+    probe = lambda p: seen.append(jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), per_device(p))) or jnp.zeros(())
+    jax.eval_shape(jax.shard_map(probe, mesh=mesh, in_specs=(restrict(specs, model),),
+                                 out_specs=P(), axis_names=set(model)), params)
+    stacked = seen[0]
   shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[len(data):], x.dtype), stacked)
   return shapes, state_specs(stacked, _entry(data))
 
@@ -131,6 +146,24 @@ def _combine(model_spec: P, leaf_data: tuple[str, ...]) -> P:
   return _trim(P(_entry(leaf_data + first), *model_spec[1:]))
 
 
+def _bucket_axes(state: Any) -> list[tuple[str, ...] | None]:
+  """For each leaf of `state` (in jax.tree.leaves order): the axes its group's leaves are split
+  over where it is an array of a field that its state class lists in `BY_BUCKET` (a dict keyed
+  by `leaves.group_key`), else None."""
+  out = []
+  for node in jax.tree.leaves(state, is_leaf=lambda n: hasattr(n, "BY_BUCKET")):
+    if not hasattr(node, "BY_BUCKET"):
+      out.append(None)
+      continue
+    for name, value in zip(node._fields, node):
+      if name in node.BY_BUCKET and value is not None:
+        for key in sorted(value):  # a dict's leaves come in sorted key order
+          out += [tuple(a for a in key.split(",") if a)] * len(jax.tree.leaves(value[key]))
+      else:
+        out += [None] * len(jax.tree.leaves(value))
+  return out
+
+
 def local_state_specs(init: Callable, params: Any, specs: Any, mesh: Mesh,
                       data: tuple[str, ...], *, on_shards: bool = False) -> Any:
   """Full specs of the state `init` makes from each device's own block of `params` (specs:
@@ -139,24 +172,31 @@ def local_state_specs(init: Callable, params: Any, specs: Any, mesh: Mesh,
   Per device over the data axes: the fields `state_specs` names (LoCo's errors), or with
   `on_shards` (zero2's optimizer) every array. Over the model axes: a leaf shaped like its
   param's block is split like the param (adam's mu); any other array of a model-split param
-  (LoCo's flat error) is split over the param's model axes on dimension 0; an array of no param
-  over every model axis (each device keeps its own); scalars are replicated.
+  (a flat error per leaf) is split over the param's model axes on dimension 0; LoCo's buckets
+  over the model axes their group of leaves is split over; an array of
+  no param over every model axis (each device keeps its own); scalars are replicated.
   """
   model = model_axes(mesh, data)
   leaves, treedef = jax.tree.flatten(params)
   spec_leaves = treedef.flatten_up_to(specs)
-  blocks = (leaves if on_shards else
-            jax.tree.leaves(local_shapes(shapes_of(params), specs, mesh)))
-  shapes, data_specs = _per_device_shapes(init, treedef.unflatten(blocks), mesh, data)
+  if on_shards:
+    blocks = leaves
+    shapes, data_specs = _per_device_shapes(init, params, mesh, data)
+  else:
+    blocks = jax.tree.leaves(local_shapes(shapes_of(params), specs, mesh))
+    shapes, data_specs = _per_device_shapes(init, shapes_of(params), mesh, data, specs)
   shape_leaves, state_def = jax.tree.flatten(shapes)
   data_leaves = state_def.flatten_up_to(data_specs)
   out = []
-  for x, d, i in zip(shape_leaves, data_leaves, _with_param_index(shapes, params)):
+  for x, d, i, group in zip(shape_leaves, data_leaves, _with_param_index(shapes, params),
+                            _bucket_axes(shapes)):
     if not x.ndim:
       out.append(d)
       continue
     leaf_data = data if on_shards else spec_axes(d)
-    if i is None:
+    if group is not None:  # per group of leaves: split over the model axes its leaves are
+      model_spec = P(_entry(tuple(a for a in model if a in group)))
+    elif i is None:
       model_spec = P(_entry(model))
     elif x.shape == blocks[i].shape and not on_shards:
       model_spec = restrict(spec_leaves[i], model)

@@ -1,7 +1,7 @@
 """4-bit gradient compression with an 8-bit, moving-averaged, periodically reset error (LoCo)."""
 
 import functools
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -10,8 +10,9 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from loco_jax import comm, kernels
-from loco_jax.core import buckets, feedback, leaves, quant, trees
+from loco_jax.core import buckets, feedback, leaves, quant
 from loco_jax.comm import AxisName, bucketed
+from loco_jax.transforms.loco_state import LocoState, check_state
 
 GATHER_MODES = ("bf16", "quantized")
 
@@ -67,18 +68,6 @@ def _resolve_defaults(bits, scale, scale_method, clip_rms, block_size, beta, err
                      "optax.inject_hyperparams pass it in static_args)")
   quant.check_scale_method(scale_method, clip_rms)
   return scale_method, clip_rms, block_size, beta, error_bits
-
-
-class LocoState(NamedTuple):
-  """LoCo's state. Every field but `count` differs per device: declare it with `state_specs`."""
-  count: jax.Array            # int32 steps taken; drives the periodic reset
-  error: optax.Updates        # int8 [size] per leaf: this device's averaged compression error
-  error_scale: Any            # float32 [rows * blocks] per leaf, rows = devices on the axis
-                              # (buckets.plan's blocks; None with a fixed `error_scale`)
-  gather_error: Any           # int8 [row_len] per leaf: the shard's error (gather="quantized")
-  gather_scale: Any           # float32 [blocks] per leaf (gather="quantized" with block scales)
-
-  PER_DEVICE = ("error", "error_scale", "gather_error", "gather_scale")
 
 
 def _concrete(x) -> bool:
@@ -178,8 +167,8 @@ def loco(
   The leaves are laid out once, from their shapes, in a few buckets (`buckets.plan`: each
   leaf's per-device rows cut into whole blocks of `block_size`, a remainder into smaller blocks
   of a power-of-two multiple of 8, so no block straddles two leaves); the step runs one
-  `kernels.compress_step` per bucket, whatever the leaf count. The state stays per leaf (int8
-  error like the params; block scales per leaf in bucket order).
+  `kernels.compress_step` per bucket, whatever the leaf count. The state is kept in the same
+  buckets (`LocoState`; `error_by_leaf` shows it per leaf).
 
   With `axis_name=None` the output is d (local compression: one device, or a simulation). With
   a mesh axis, inside `jax.shard_map`, the output is the mean over the axis of every device's d:
@@ -195,8 +184,9 @@ def loco(
   Leaves sharded over mesh axes other than `axis_name` (a model axis) are compressed and sent
   as each device's own block (`core.leaves`): manual axes need nothing, Explicit axes are read
   from the gradients' types, and Auto axes inside a shard_map manual over the data axes need
-  `specs` (the params' PartitionSpecs, or the `leaves.leaf_specs` context manager); the state
-  is split like its leaf, and `init` and `update` give it the same sharding.
+  `specs` (the params' PartitionSpecs, or the `leaves.leaf_specs` context manager); the
+  state's buckets of such leaves are split over those axes too, and `init` and `update` give
+  it the same sharding.
 
   Non-float and zero-size leaves pass through. A non-finite gradient (on any device of the
   axis) makes every output NaN and leaves the state unchanged, so the error is never poisoned;
@@ -227,75 +217,67 @@ def loco(
   def rows_on_axis() -> int:
     return 1 if axis_name is None else comm.axis_size(axis_name)
 
-  def plans(parts: leaves.Leaves) -> list[tuple[list[int], buckets.Plan]]:
-    """The bucket layout of each group of leaves (one group unless some leaves are sharded
-    over a model axis and others not: those differ per shard, these do not)."""
+  def plans(parts: leaves.Leaves) -> list[tuple[str, list[int], buckets.Plan]]:
+    """The bucket layout of each group of leaves, with its key in the state (one group unless
+    some leaves are sharded over a model axis and others not: those differ per shard, these
+    do not)."""
     rows = rows_on_axis()
-    return [(group, buckets.plan(tuple(x.size if i in group else 0
-                                       for i, x in enumerate(parts.leaves)), rows, block_size))
-            for group in parts.groups]
+    return [(leaves.group_key(axes), group,
+             buckets.plan(tuple(x.size if i in group else 0
+                                for i, x in enumerate(parts.leaves)), rows, block_size))
+            for axes, group in zip(parts.group_axes, parts.groups)]
 
   def init_body(params):
-    parts = leaves.split(params, axis_name)
-    leaf_plans = [None] * len(parts.leaves)
-    for group, p in plans(parts):
-      for i in group:
-        leaf_plans[i] = p.leaves[i]
-    rows = rows_on_axis()
-    tree = lambda dtype, make: parts.tree([jnp.zeros((0,), dtype) if leaf is None else make(leaf)
-                                           for leaf in leaf_plans])
-    int8 = lambda size: lambda leaf: jnp.zeros((size(leaf),), jnp.int8)
-    float32 = lambda size: lambda leaf: jnp.zeros((size(leaf),), jnp.float32)
-    fixed_error = error_scale is not None
+    groups = plans(leaves.split(params, axis_name))
+    zeros = lambda dtype, size: {key: tuple(
+        jnp.zeros((size(p.rows, blocks, n),), dtype) for blocks, n in zip(p.blocks, p.block_lens))
+                                 for key, _, p in groups}
+    block_scales = error_scale is None
     return LocoState(
         count=jnp.zeros([], jnp.int32),
-        error=tree(jnp.int8, int8(lambda leaf: leaf.size)),
-        error_scale=None if fixed_error else tree(
-            jnp.float32, float32(lambda leaf: rows * leaf.blocks)),
-        gather_error=tree(jnp.int8, int8(lambda leaf: leaf.row_len))
+        error=zeros(jnp.int8, lambda rows, blocks, n: rows * blocks * n),
+        error_scale=zeros(jnp.float32, lambda rows, blocks, n: rows * blocks)
+        if block_scales else None,
+        gather_error=zeros(jnp.int8, lambda rows, blocks, n: blocks * n)
         if quantized_gather else None,
-        gather_scale=tree(jnp.float32, float32(lambda leaf: leaf.blocks))
-        if quantized_gather and not fixed_error else None)
+        gather_scale=zeros(jnp.float32, lambda rows, blocks, n: blocks)
+        if quantized_gather and block_scales else None)
 
-  def compress(p: buckets.Plan, firsts: list, g_b: list, errors: list, error_scales: list,
-               reset, local: bool, skip=None) -> tuple[list, list, Any, list, list, jax.Array]:
-    """LoCo's step on every gradient bucket: (packed, scales, a function that takes the new
-    errors and error scales per leaf out of their buckets, those buckets, the decompressed
-    buckets (local mode), all finite). `skip`: see `kernels.compress_step`."""
-    e_b = buckets.to_buckets(errors, p)
-    es_b = (buckets.scales_to_buckets(error_scales, p) if error_scale is None
-            else [None] * len(g_b))
+  def compress(g_b: list, errors: tuple, error_scales: tuple | None, reset, local: bool,
+               skip=None) -> tuple:
+    """LoCo's step on every gradient bucket [rows, blocks, len] with its error bucket: (packed
+    [rows, blocks, len * bits / 8], scales [rows, blocks] (None with a fixed scale), the new
+    error and error scale buckets (flat, as the state holds them), the decompressed buckets
+    (local mode), all finite). `skip`: see `kernels.compress_step`."""
     packed, scales, new_e, new_es, decompressed, finite = [], [], [], [], [], jnp.bool_(True)
-    for g, e, es, n in zip(g_b, e_b, es_b, p.block_lens):
-      rows, blocks = g.shape[:2]
+    for c, g in enumerate(g_b):
+      rows, blocks, n = g.shape
       out = kernels.compress_step(
-          g.reshape(-1), e.reshape(-1), None if es is None else es.reshape(-1), bits=bits,
-          error_bits=error_bits, beta=beta, reset=reset, block_size=n, decompressed=local,
-          fixed_scale=scale, fixed_error_scale=error_scale, scale_method=scale_method,
-          clip_rms=clip_rms, skip=skip)
+          g.reshape(-1), errors[c], None if error_scales is None else error_scales[c],
+          bits=bits, error_bits=error_bits, beta=beta, reset=reset, block_size=n,
+          decompressed=local, fixed_scale=scale, fixed_error_scale=error_scale,
+          scale_method=scale_method, clip_rms=clip_rms, skip=skip)
       packed.append(out.packed.reshape(rows, blocks, -1))
       scales.append(out.scales.reshape(rows, blocks))
-      new_e.append(out.error.reshape(rows, blocks, n))
-      new_es.append(out.error_scale.reshape(rows, blocks))
+      new_e.append(out.error)
+      new_es.append(out.error_scale)
       decompressed.append(None if out.decompressed is None else
                           out.decompressed.reshape(rows, blocks, n))
       finite &= out.finite
-    take_state = lambda: (
-        buckets.from_buckets(new_e, p, firsts),
-        None if error_scale is not None else buckets.scales_from_buckets(new_es, p, firsts))
-    return (packed, None if scale is not None else scales, take_state, new_e, decompressed,
-            finite)
+    return (packed, None if scale is not None else scales, tuple(new_e),
+            None if error_scale is not None else tuple(new_es), decompressed, finite)
 
   def exchange(p: buckets.Plan, k: jax.Array, g_b: list, state: list, reset,
                skip=None) -> tuple:
     """One group's step: compress its gradient buckets, average them over the axis
-    (all-to-all, receive-side mean, gather). -> (a function that takes the values and the new
-    state fields per leaf out of the buckets, flags, a values bucket, a new state bucket)."""
+    (all-to-all, receive-side mean, gather). -> (a function that takes the values per leaf out
+    of the buckets, flags, a values bucket, the group's new state fields)."""
     errors, error_scales, gather_errors, gather_scales = state
     firsts = buckets.starts(p, k)
-    packed, scales, take_state, state_buckets, local_d, finite = compress(
-        p, firsts, g_b, errors, error_scales, reset, axis_name is None, skip)
-    take_gather, take_values = (lambda: (None, None)), buckets.from_buckets
+    packed, scales, new_e, new_es, local_d, finite = compress(
+        g_b, errors, error_scales, reset, axis_name is None, skip)
+    new_state = [new_e, new_es, None, None]
+    take_values = buckets.from_buckets
     if axis_name is None:
       flags, values = leaves.flag(finite), local_d
     else:
@@ -308,65 +290,63 @@ def loco(
       elif gather == "bf16":
         values, flags = bucketed.gather_bf16(means, p, flags, axis_name)
       else:
-        # The averaged shard is re-quantized with its own error: the buckets of one row.
-        shard_plan = p._replace(rows=1, leaves=tuple(
-            None if leaf is None else leaf._replace(size=leaf.row_len) for leaf in p.leaves))
-        shard_packed, shard_scales, take_gather, _, _, _ = compress(
-            shard_plan, firsts, buckets.to_buckets(buckets.shards(means, p, firsts), shard_plan),
+        # The averaged shard is re-quantized with its own error: this device's row of every
+        # bucket (zero where a leaf is padded, as every peer's codes there are).
+        shard_packed, shard_scales, new_state[2], new_state[3], _, _ = compress(
+            [m.reshape(1, b, n) for m, b, n in zip(means, p.blocks, p.block_lens)],
             gather_errors, gather_scales, reset, False)
         values, flags = bucketed.gather_packed(
             [x[0] for x in shard_packed],
             None if shard_scales is None else [s[0] for s in shard_scales], scale, bits, p,
             flags, axis_name)
-    take = lambda: (take_values(values, p, firsts), take_state() + take_gather())
-    return take, flags, values[0], state_buckets[0]
+    return lambda: take_values(values, p, firsts), flags, values[0], new_state
 
   def update_body(updates, state):
-    trees.check_state_matches("loco", updates, state, init_body(updates))
+    check_state(state, init_body(updates))
     parts, k = leaves.split(updates, axis_name), state.count
     if not parts.chosen:  # nothing to compress or send
       return updates, state._replace(count=optax.safe_increment(k))
-    fields = (state.error, state.error_scale, state.gather_error, state.gather_scale)
-    old = [parts.per_leaf(f) for f in fields]
     reset = feedback.is_due(k, reset_interval)
-    filled = [(group, p, buckets.to_buckets(
+    filled = [(key, group, p, buckets.to_buckets(
         [parts.flat(i) if i in group else None for i in range(len(parts.leaves))], p))
-              for group, p in plans(parts)]
+              for key, group, p in plans(parts)]
     checked = None
     if axis_name is None and jax.default_backend() in leaves.SKIP_BY_COND and any(
-        p.has_bare_leaf() for _, p, _ in filled):
+        p.has_bare_leaf() for _, _, p, _ in filled):
       # `keep_or_skip`'s lax.cond would copy such a leaf (the bucket itself, an operand of the
-      # cond) and its error: 80 MiB a step on one leaf of 2**24. So local mode checks the
-      # gradient buckets first, and the step itself writes NaN updates and keeps the state
-      # where it is skipped. (With many leaves the cond stays: it keeps XLA from fusing a small
-      # bucket's arithmetic into every leaf's slice, 32% more kernel code on the GPT-2 tree.)
-      finite = functools.reduce(jnp.logical_and, [buckets.finite(g) for _, _, g_b in filled
+      # cond): 64 MiB a step on one leaf of 2**24. So local mode checks the gradient buckets
+      # first, and the step itself writes NaN updates and keeps the state where it is skipped.
+      # (With many leaves the cond stays: it keeps XLA from fusing a small bucket's arithmetic
+      # into every leaf's slice, 32% more kernel code on the GPT-2 tree.)
+      finite = functools.reduce(jnp.logical_and, [buckets.finite(g) for *_, g_b in filled
                                                   for g in g_b])
       checked = parts.agree(leaves.flag(finite))
     skip = None if checked is None else jnp.isnan(checked)
-    takes, likes, flags = [], ({}, {}), jnp.float32(0)
-    for group, p, g_b in filled:
-      take, group_flags, value_like, state_like = exchange(p, k, g_b, old, reset, skip)
+    old = list(state[1:])
+    takes, value_likes, flags, new = [], {}, jnp.float32(0), [{} for _ in old]
+    for key, group, p, g_b in filled:
+      take, group_flags, value_like, group_new = exchange(
+          p, k, g_b, [None if f is None else f[key] for f in old], reset, skip)
       takes.append(take)
-      likes[0].update(dict.fromkeys(group, value_like))
-      likes[1].update(dict.fromkeys(group, state_like))
+      value_likes.update(dict.fromkeys(group, value_like))
       flags = flags + group_flags
+      for f, n in zip(new, group_new):
+        f[key] = n
+    new = [None if f is None else n for f, n in zip(old, new)]
     # Every shard, like every device of the axis, keeps or skips.
     flags = parts.agree(flags) if checked is None else checked
 
-    def taken() -> tuple[list, list]:
-      values, new = [None] * len(parts.leaves), [list(f) for f in old]
+    def taken() -> list:
+      values = [None] * len(parts.leaves)
       for take in takes:
-        group_values, group_new = take()
-        values = leaves.merge(group_values, values)
-        new = [leaves.merge(n, f) for n, f in zip(group_new, new)]
-      return values, new
+        values = leaves.merge(take(), values)
+      return values
 
     update, kept = parts.keep_or_skip(
-        flags, taken, old, likes, rows_on_axis() if scatter and axis_name is not None else None,
+        flags, taken, value_likes, new, old,
+        rows_on_axis() if scatter and axis_name is not None else None,
         checked=checked is not None)
-    return update, LocoState(jnp.where(jnp.isfinite(flags), optax.safe_increment(k), k),
-                             *[parts.tree(x, like) for x, like in zip(kept, fields)])
+    return update, LocoState(jnp.where(jnp.isfinite(flags), optax.safe_increment(k), k), *kept)
 
   init_fn = leaves.local_init(init_body, axis_name, specs, "loco")
   update_fn = leaves.local_update(update_body, axis_name, specs,
@@ -383,7 +363,7 @@ def state_specs(state: Any, axis_name: AxisName) -> Any:
   Example:
     >>> state = loco().init(params)   # with an axis_name: created inside jax.shard_map
     >>> specs = state_specs(state, "data")
-    >>> specs.error["w"] == P("data"), specs.count == P()   # per device; replicated
+    >>> specs.error[""][0] == P("data"), specs.count == P()   # per device; replicated
     (True, True)
   """
   def spec(node):

@@ -1,0 +1,92 @@
+"""LoCo's state: kept in the buckets the step compresses (`core.buckets`), and shown per leaf."""
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from loco_jax.core import buckets, leaves
+
+
+class LocoState(NamedTuple):
+  """LoCo's state, one array per bucket (`buckets.plan`, laid out from the params' shapes), so
+  that a step neither gathers the state into buckets nor slices it back per leaf; see
+  `error_by_leaf` for it per leaf. Every field but `count` differs per device: declare it with
+  `state_specs`.
+
+  Each other field is a dict {group: a tuple of arrays, one per bucket}. The group is the key
+  of the leaves that are split over the same mesh axes besides the averaged ones
+  (`leaves.group_key`: those axes joined by commas): "" for every leaf unless a model axis
+  splits some; those of "model" differ per model shard, the others do not.
+  """
+  count: jax.Array   # int32 steps taken; drives the periodic reset
+  error: dict        # int8 [rows * blocks * len] per bucket: this device's averaged compression
+                     # error (rows: devices on the axis)
+  error_scale: Any   # float32 [rows * blocks] per bucket (None with a fixed `error_scale`)
+  gather_error: Any  # int8 [blocks * len] per bucket: the shard's error (gather="quantized")
+  gather_scale: Any  # float32 [blocks] per bucket (gather="quantized" with block scales)
+
+  PER_DEVICE = ("error", "error_scale", "gather_error", "gather_scale")
+  BY_BUCKET = PER_DEVICE  # per group and bucket, not trees like the params (leaves._state_specs)
+
+
+def _shapes(field) -> str:
+  shapes = [tuple(x.shape) for x in jax.tree.leaves(field)]
+  return f"{len(shapes)} arrays of shapes {shapes[:4]}" + (" ..." if len(shapes) > 4 else "")
+
+
+def check_state(state: Any, expected: LocoState) -> None:
+  """ValueError where `state` is not what `init` builds for this gradient tree (`expected`)."""
+  if not isinstance(state, LocoState):
+    raise ValueError(f"loco: the state must be a LocoState (from loco(...).init), got "
+                     f"{type(state).__name__}")
+  for name, have, want in zip(state._fields[1:], state[1:], expected[1:]):
+    same = (jax.tree.structure(have) == jax.tree.structure(want) and
+            all(jnp.shape(a) == jnp.shape(b) and jnp.result_type(a) == jnp.result_type(b)
+                for a, b in zip(jax.tree.leaves(have), jax.tree.leaves(want))))
+    if not same:
+      raise ValueError(
+          f"loco: state.{name} holds {_shapes(have)}, but this gradient tree needs "
+          f"{_shapes(want)} (one per bucket of its layout, buckets.plan). The gradient tree must "
+          f"have the structure and leaf shapes of the params the state was created from (init), "
+          f"and the state must come from a loco with the same settings.")
+
+
+def error_by_leaf(state: LocoState, params: Any, block_size: int = 2048,
+                  rows: int = 1) -> tuple[Any, Any]:
+  """One device's LoCo error per leaf: (int8 [size] per leaf, float32 block scales
+  [rows * blocks] per leaf, None with a fixed error_scale), as trees like `params` (a leaf
+  that is not compressed gets an empty array).
+
+  `block_size`: the one `loco` used (`defaults_for(bits)` where left at None); `rows`: the
+  devices on its axis (1 without one): the state's buckets hold each leaf's rows in their
+  blocks (`buckets.plan`).
+  Example:
+    >>> params = {"b": jnp.zeros(100), "w": jnp.zeros((4, 512))}
+    >>> error, scales = error_by_leaf(loco_jax.loco(block_size=512).init(params), params, 512)
+    >>> error["w"].shape, scales["b"].shape
+    ((2048,), (4,))
+  """
+  parts = leaves.split(params)
+  p = buckets.plan(tuple(x.size if i in parts.chosen else 0 for i, x in enumerate(parts.leaves)),
+                   rows, block_size)
+  expected = [((rows * b * n,), jnp.int8) for b, n in zip(p.blocks, p.block_lens)]
+  error_buckets = state.error.get("", ()) if set(state.error) <= {""} else None
+  if error_buckets is None:
+    raise ValueError(f"error_by_leaf: state.error has the groups {sorted(state.error)}; it "
+                     f"shows one device's state of leaves not split over a model axis (\"\")")
+  if [(tuple(e.shape), e.dtype) for e in error_buckets] != expected:
+    raise ValueError(f"error_by_leaf: state.error holds {_shapes(state.error)}, but params laid "
+                     f"out in blocks of {block_size} over {rows} rows need {len(expected)} "
+                     f"arrays of shapes {[s for s, _ in expected][:4]}: pass the params, "
+                     f"block_size and rows (devices on the axis) the state was made for")
+  firsts = [[q.block0 for q in leaf.pieces] if leaf else None for leaf in p.leaves]
+  as_tree = lambda per_leaf, dtype: parts.tree(
+      [jnp.zeros((0,), dtype) if x is None else x for x in per_leaf])
+  error = as_tree(buckets.from_buckets([e.reshape(rows, b, n) for e, b, n in zip(
+      error_buckets, p.blocks, p.block_lens)], p, firsts), jnp.int8)
+  if state.error_scale is None:
+    return error, None
+  scales = buckets.scales_from_buckets([s.reshape(rows, b) for s, b in zip(
+      state.error_scale.get("", ()), p.blocks)], p, firsts)
+  return error, as_tree(scales, jnp.float32)
