@@ -275,3 +275,22 @@ def test_a_gradient_tree_that_does_not_match_the_state_says_what_it_needs(grads,
   state = opt.init({"w": jnp.zeros((4, 8)), "b": jnp.zeros(8)})
   with pytest.raises(ValueError, match=match):
     jax.jit(opt.update)(grads, state)
+
+
+def test_a_state_of_another_kind_or_layout_is_refused():
+  params = {"w": jnp.zeros((4, 8)), "b": jnp.zeros(8)}
+  opt = loco()
+  with pytest.raises(ValueError, match="must be a LocoState"):
+    opt.update(params, {"error": {}})
+  # The per-leaf state of earlier releases (and checkpoints of it) no longer fits.
+  per_leaf = opt.init(params)._replace(error={k: jnp.zeros(x.size, jnp.int8)
+                                              for k, x in params.items()})
+  with pytest.raises(ValueError, match=r"state.error holds 2 arrays .* needs 2 arrays"):
+    opt.update(params, per_leaf)
+  state = opt.init(params)
+  with pytest.raises(ValueError, match="block_size and rows"):
+    error_by_leaf(state, params, block_size=16)
+  with pytest.raises(ValueError, match="block_size and rows"):
+    error_by_leaf(state, params, rows=2)
+  with pytest.raises(ValueError, match="groups \\['', 'model'\\]"):
+    error_by_leaf(state._replace(error={"": (), "model": ()}), params)

@@ -71,11 +71,14 @@ def error_by_leaf(state: LocoState, params: Any, block_size: int = 2048,
   p = buckets.plan(tuple(x.size if i in parts.chosen else 0 for i, x in enumerate(parts.leaves)),
                    rows, block_size)
   expected = [((rows * b * n,), jnp.int8) for b, n in zip(p.blocks, p.block_lens)]
-  error_buckets = state.error.get("", ()) if set(state.error) <= {""} else None
-  if error_buckets is None:
+  if not set(state.error) <= {""}:
     raise ValueError(f"error_by_leaf: state.error has the groups {sorted(state.error)}; it "
                      f"shows one device's state of leaves not split over a model axis (\"\")")
-  if [(tuple(e.shape), e.dtype) for e in error_buckets] != expected:
+  error_buckets = state.error.get("", ())
+  scale_buckets = None if state.error_scale is None else state.error_scale.get("", ())
+  if ([(tuple(e.shape), e.dtype) for e in error_buckets] != expected or
+      scale_buckets is not None and [s.shape for s in scale_buckets] != [
+          (rows * b,) for b in p.blocks]):
     raise ValueError(f"error_by_leaf: state.error holds {_shapes(state.error)}, but params laid "
                      f"out in blocks of {block_size} over {rows} rows need {len(expected)} "
                      f"arrays of shapes {[s for s, _ in expected][:4]}: pass the params, "
@@ -85,8 +88,8 @@ def error_by_leaf(state: LocoState, params: Any, block_size: int = 2048,
       [jnp.zeros((0,), dtype) if x is None else x for x in per_leaf])
   error = as_tree(buckets.from_buckets([e.reshape(rows, b, n) for e, b, n in zip(
       error_buckets, p.blocks, p.block_lens)], p, firsts), jnp.int8)
-  if state.error_scale is None:
+  if scale_buckets is None:
     return error, None
   scales = buckets.scales_from_buckets([s.reshape(rows, b) for s, b in zip(
-      state.error_scale.get("", ()), p.blocks)], p, firsts)
+      scale_buckets, p.blocks)], p, firsts)
   return error, as_tree(scales, jnp.float32)
