@@ -177,6 +177,11 @@ def group_key(axes: tuple[str, ...]) -> str:
   return ",".join(axes)
 
 
+def key_axes(key: str) -> tuple[str, ...]:
+  """The axes that a `group_key` names."""
+  return tuple(a for a in key.split(",") if a)
+
+
 def split(updates: Any, averaged: AxisNames = None) -> Leaves:
   """The gradient tree as `Leaves`: the compressible leaves, grouped by the manual axes other
   than `averaged` over which they vary (every leaf in one group unless a caller's shard_map is
@@ -337,7 +342,7 @@ def _state_specs(state: Any, treedef: Any, lay: _Layout) -> Any:
       return None
     if name in by_bucket:  # {group key: arrays}, split over the group's axes
       return {key: jax.tree.map(lambda _, key=key: P(tuple(
-          a for a in lay.axes if a in key.split(","))) if key else P(), arrays)
+          a for a in lay.axes if a in key_axes(key))) if key else P(), arrays)
               for key, arrays in value.items()}
     if jax.tree.structure(value) == treedef:
       return treedef.unflatten([P(axes) if axes and np.ndim(v) else P()
@@ -382,8 +387,7 @@ def local_init(init_fn: Callable, averaged: AxisNames = None, specs: Any = None,
       return init_fn(params)
     treedef = jax.tree.structure(params)
     in_specs = (treedef.unflatten(lay.specs),)
-    # The state's shapes as the nested shard_map sees the local blocks: where a state is per
-    # group of leaves (split over 'model' or not), only there do the groups show.
+    # The state's shapes where init sees the blocks: only there do groups of leaves show.
     seen = []
     probe = lambda p: seen.append(jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), init_fn(p))) or jnp.zeros(())

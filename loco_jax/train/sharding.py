@@ -16,6 +16,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from loco_jax import comm, state_specs
+from loco_jax.core import leaves as leaves_lib
 from loco_jax.train import mesh as mesh_lib
 
 
@@ -158,7 +159,7 @@ def _bucket_axes(state: Any) -> list[tuple[str, ...] | None]:
     for name, value in zip(node._fields, node):
       if name in node.BY_BUCKET and value is not None:
         for key in sorted(value):  # a dict's leaves come in sorted key order
-          out += [tuple(a for a in key.split(",") if a)] * len(jax.tree.leaves(value[key]))
+          out += [leaves_lib.key_axes(key)] * len(jax.tree.leaves(value[key]))
       else:
         out += [None] * len(jax.tree.leaves(value))
   return out
@@ -173,8 +174,8 @@ def local_state_specs(init: Callable, params: Any, specs: Any, mesh: Mesh,
   `on_shards` (zero2's optimizer) every array. Over the model axes: a leaf shaped like its
   param's block is split like the param (adam's mu); any other array of a model-split param
   (a flat error per leaf) is split over the param's model axes on dimension 0; LoCo's buckets
-  over the model axes their group of leaves is split over; an array of
-  no param over every model axis (each device keeps its own); scalars are replicated.
+  over the model axes their group of leaves is split over; an array of no param over every
+  model axis (each device keeps its own); scalars are replicated.
   """
   model = model_axes(mesh, data)
   leaves, treedef = jax.tree.flatten(params)
