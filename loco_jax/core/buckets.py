@@ -247,23 +247,10 @@ def shards(buckets: Sequence[jax.Array], p: Plan, first_blocks: list) -> list[ja
           for leaf, first in zip(p.leaves, first_blocks)]
 
 
-def scales_to_buckets(per_leaf: Sequence[jax.Array | None], p: Plan) -> list[jax.Array]:
-  """Per-leaf block scales ([rows * blocks] each) -> per bucket [rows, blocks]."""
-  parts = [[] for _ in p.block_lens]
-  for s, leaf in zip(per_leaf, p.leaves):
-    if leaf is None:
-      continue
-    s = s.reshape(p.rows, leaf.blocks, 1)
-    at = 0
-    for q in leaf.pieces:
-      parts[q.bucket].append(s[:, at: at + q.blocks])
-      at += q.blocks
-  return [b[..., 0] for b in _concatenated(parts, jnp.float32)]
-
-
 def scales_from_buckets(buckets: Sequence[jax.Array], p: Plan,
                         first_blocks: list) -> list[jax.Array | None]:
-  """Inverse of `scales_to_buckets`: per bucket [rows, blocks] -> per leaf [rows * blocks]."""
+  """Block scales per bucket [rows, blocks] -> per leaf [rows * blocks] (its rows' blocks in
+  order, as the values' `from_buckets`)."""
   with_width = [b.reshape(p.rows, -1, 1) for b in buckets]
   return [None if leaf is None else leaf_rows(with_width, leaf, first).reshape(-1)
           for leaf, first in zip(p.leaves, first_blocks)]
