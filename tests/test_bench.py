@@ -1,6 +1,7 @@
 """`loco-jax bench`: a quick run end to end, the JSON records, the cost model, bad arguments."""
 
 import json
+import mmap
 import os
 
 import pytest
@@ -42,6 +43,14 @@ def test_quick_run_writes_every_part_atomically(tmp_path, monkeypatch, capsys):
                "compile_s/loco_mesh_step_tree", "compile_s/pmean_mesh_step_tree",
                "wire_bits_per_param_tree/loco_bf16_gather"):
     assert name in by_name, name
+  # Each timed step's page faults a call, and the temporaries of the compiled steps.
+  for name in ("adamw", "loco_update", "adamw_tree", "loco_update_tree", "copy", "copy_fresh"):
+    faults = by_name[f"page_faults/{name}"]
+    assert faults["unit"] == "count" and faults["value"] >= 0, faults
+  for name in ("adamw", "loco_update", "adamw_tree", "loco_update_tree", "compress_step_jnp"):
+    temp = by_name[f"temp_MiB/{name}"]
+    assert temp["unit"] == "MiB" and 0 <= temp["value"] < 64, temp
+  assert by_name["temp_MiB/loco_update_tree"]["value"] > 0  # the gradients' buckets
   spread = [by_name[f"loco_over_adamw_tree/{end}"]["value"] for end in ("min", "max")]
   assert 0 < spread[0] <= spread[1]
   # The quick tree (d_model 64, 2 layers): its own parameter count, wire bits still ~4 + 16.
@@ -53,6 +62,17 @@ def test_quick_run_writes_every_part_atomically(tmp_path, monkeypatch, capsys):
   assert any(name.startswith("codec/") for name in by_name)
   out = capsys.readouterr().out
   assert "| loco_over_adamw |" in out and "## Cost model" in out
+
+
+def test_minor_faults_counts_first_touches():
+  # A fresh anonymous mapping of 32 MiB, one byte written a page: one fault a page, or one a
+  # 2 MiB huge page where transparent huge pages are on for every mapping.
+  size = 32 * 2**20
+  with mmap.mmap(-1, size) as memory:
+    before = bench.minor_faults()
+    for at in range(0, size, 4096):
+      memory[at] = 1
+    assert bench.minor_faults() - before >= size // 2**21
 
 
 def test_cost_model_matches_table_one_by_hand():

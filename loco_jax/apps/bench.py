@@ -6,6 +6,7 @@ import json
 import math
 import os
 import re
+import resource
 import statistics
 import subprocess
 import sys
@@ -122,16 +123,25 @@ class _Candidate:
   def __init__(self, name: str, step: Callable, state: Any, fixed: tuple = (),
                keep: Callable = lambda out: out):
     self.name, self.step, self.state, self.fixed, self.keep = name, step, state, fixed, keep
-    self.inner = 1
+    self.inner, self.faults = 1, []
 
   def run(self) -> float:
-    """Seconds a call, averaged over `inner` back-to-back calls."""
-    start = time.perf_counter()
+    """Seconds a call, averaged over `inner` back-to-back calls; the process's page faults a
+    call go to `faults`."""
+    faults, start = minor_faults(), time.perf_counter()
     for _ in range(self.inner):
       out = self.step(*self.fixed, self.state)
       self.state = self.keep(out)
     jax.block_until_ready(out)
-    return (time.perf_counter() - start) / self.inner
+    seconds = (time.perf_counter() - start) / self.inner
+    self.faults.append((minor_faults() - faults) / self.inner)
+    return seconds
+
+
+def minor_faults() -> int:
+  """Minor page faults of this process so far (every thread): each first touch of a page that
+  the allocator has just mapped (tests/test_bench.py checks it counts them)."""
+  return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def _time_interleaved(candidates: list[_Candidate], repeats: int,
@@ -142,6 +152,8 @@ def _time_interleaved(candidates: list[_Candidate], repeats: int,
     c.run()
     c.inner = int(min(20, max(1, math.ceil(min_sample_s / max(c.run(), 1e-7)))))
   samples = {c.name: [] for c in candidates}
+  for c in candidates:
+    c.faults.clear()
   for r in range(repeats):
     for c in candidates[r % len(candidates):] + candidates[:r % len(candidates)]:
       samples[c.name].append(c.run())
@@ -163,27 +175,29 @@ def _ratio_records(name: str, samples: dict, over: str, under: str) -> list[Reco
           Record(f"{name}/min", min(ratios), "x"), Record(f"{name}/max", max(ratios), "x")]
 
 
-def _count_fusions(jitted: Callable, *args) -> int:
-  """Fusion instructions in the compiled HLO (entry and loop bodies)."""
-  text = jitted.lower(*args).compile().as_text()
-  return len(re.findall(r"=\s*\S+\s+fusion\(", text))
+def _compiled_facts(jitted: Callable, *args) -> tuple[int, float]:
+  """(fusion instructions in the compiled HLO (entry and loop bodies), MiB of temporaries)."""
+  compiled = jitted.lower(*args).compile()
+  fusions = len(re.findall(r"=\s*\S+\s+fusion\(", compiled.as_text()))
+  return fusions, compiled.memory_analysis().temp_size_in_bytes / 2**20
 
 
 def _step_candidates(n: int, backend: str, sweep: bool,
                      tree_size: dict) -> tuple[list[_Candidate], dict, dict]:
-  """The timed candidates, their fusion counts, and facts about the kernels (records)."""
+  """The timed candidates, (fusions, temporaries in MiB) of some compiled ones, and facts about
+  the kernels (records)."""
   g = jax.random.normal(jax.random.key(0), (n,), jnp.float32)
-  facts, fusions = {}, {}
+  facts, compiled = {}, {}
   adamw = optax.adamw(1e-3)
   adamw_step = jax.jit(lambda grads, params, state: adamw.update(grads, state, params),
                        donate_argnums=2)
   cands = [_Candidate("adamw", adamw_step, adamw.init(g), (g, g), keep=lambda out: out[1])]
-  fusions["adamw"] = _count_fusions(adamw_step, g, g, jax.eval_shape(adamw.init, g))
+  compiled["adamw"] = _compiled_facts(adamw_step, g, g, jax.eval_shape(adamw.init, g))
   opt = loco()
   loco_step = jax.jit(lambda grads, state: opt.update(grads, state), donate_argnums=1)
   cands.append(_Candidate("loco_update", loco_step, opt.init(g), (g,),
                           keep=lambda out: out[1]))
-  fusions["loco_update"] = _count_fusions(loco_step, g, jax.eval_shape(opt.init, g))
+  compiled["loco_update"] = _compiled_facts(loco_step, g, jax.eval_shape(opt.init, g))
   facts["compile_s/adamw"] = _compile_seconds(jax.jit(lambda a, b, c: adamw.update(a, c, b)), g,
                                               g, adamw.init(g))
   facts["compile_s/loco_update"] = _compile_seconds(jax.jit(lambda a, b: opt.update(a, b)), g,
@@ -196,6 +210,9 @@ def _step_candidates(n: int, backend: str, sweep: bool,
                           keep=lambda out: out[1]))
   cands.append(_Candidate("loco_update_tree", loco_step, opt.init(tree), (tree,),
                           keep=lambda out: out[1]))
+  compiled["adamw_tree"] = _compiled_facts(adamw_tree, tree, tree,
+                                          jax.eval_shape(adamw.init, tree))
+  compiled["loco_update_tree"] = _compiled_facts(loco_step, tree, jax.eval_shape(opt.init, tree))
   facts["compile_s/adamw_tree"] = _compile_seconds(
       jax.jit(lambda a, b, c: adamw.update(a, c, b)), tree, tree, adamw.init(tree))
   facts["compile_s/loco_update_tree"] = _compile_seconds(
@@ -203,12 +220,17 @@ def _step_candidates(n: int, backend: str, sweep: bool,
   copy_words = math.ceil(n * COMPRESS_BYTES / 2 / 4)  # reads and writes 6.5 B an element
   copy = jax.jit(lambda x: x + jnp.uint32(1), donate_argnums=0)
   cands.append(_Candidate("copy", copy, jnp.zeros(copy_words, jnp.uint32)))
+  # The same into a new buffer each call: what the allocator's fresh pages cost (every step
+  # returns its update in one).
+  fresh = jax.jit(lambda x: x + jnp.uint32(1))
+  cands.append(_Candidate("copy_fresh", lambda x, _: fresh(x), None,
+                          (jnp.zeros(copy_words, jnp.uint32),)))
 
   block = 2048
   if n % block:
     print(f"bench: kernels not timed: n_params={n} is not a multiple of {block}",
           file=sys.stderr)
-    return cands, fusions, facts
+    return cands, compiled, facts
   blocks = n // block
 
   def compress_candidate(name: str, **options) -> _Candidate:
@@ -221,7 +243,7 @@ def _step_candidates(n: int, backend: str, sweep: bool,
 
   jnp_step = compress_candidate("compress_step_jnp", implementation="jnp")
   cands.append(jnp_step)
-  fusions["compress_step_jnp"] = _count_fusions(jnp_step.step, g, jnp_step.state)
+  compiled["compress_step_jnp"] = _compiled_facts(jnp_step.step, g, jnp_step.state)
   peers = 8
   shard = comm.leaf_layout(n // peers, 1, block)
   received = jnp.zeros((peers, shard.row_len // 2), jnp.uint8)
@@ -240,16 +262,19 @@ def _step_candidates(n: int, backend: str, sweep: bool,
         cands.append(compress_candidate(f"compress_step_pallas{label}",
                                         implementation="pallas", tile_blocks=tile_blocks,
                                         num_warps=num_warps))
-  return cands, fusions, facts
+  return cands, compiled, facts
 
 
 def _timing_records(n: int, repeats: int, backend: str, sweep: bool,
                     tree_size: dict) -> list[Record]:
-  cands, fusions, facts = _step_candidates(n, backend, sweep, tree_size)
+  cands, compiled, facts = _step_candidates(n, backend, sweep, tree_size)
   samples = _time_interleaved(cands, repeats)
   seconds = {name: statistics.median(s) for name, s in samples.items()}
   records = [Record(f"step_ms/{name}", s * 1e3, "ms") for name, s in seconds.items()]
-  records += [Record(f"hlo_fusions/{name}", k, "count") for name, k in fusions.items()]
+  records += [Record(f"page_faults/{c.name}", statistics.median(c.faults), "count")
+              for c in cands]
+  records += [Record(f"hlo_fusions/{name}", k, "count") for name, (k, _) in compiled.items()]
+  records += [Record(f"temp_MiB/{name}", mib, "MiB") for name, (_, mib) in compiled.items()]
   records += [Record(key, value, "s") for key, value in facts.items()
               if key.startswith("compile_s/")]
   records.append(Record("compile_over_adamw", facts["compile_s/loco_update"] /
@@ -491,8 +516,8 @@ def format_tables(records: list[Record], backend: str, n: int, repeats: int, psi
   """The markdown printed by `loco-jax bench`."""
   lines = [f"## Step times: backend {backend}, n_params = {n}, median of {repeats} "
            "(interleaved)", "",
-           "| step | ms | GB/s (nominal bytes) | vs adamw | bandwidth vs copy | HLO fusions |",
-           "|---|---|---|---|---|---|"]
+           "| step | ms | GB/s (nominal bytes) | vs adamw | bandwidth vs copy | HLO fusions | "
+           "temporaries MiB | page faults a call |", "|---|---|---|---|---|---|---|---|"]
   adamw_ms = _value(records, "step_ms/adamw")
   copy_gbps = _value(records, "bandwidth_GBps/copy")
   for r in records:
@@ -500,11 +525,14 @@ def format_tables(records: list[Record], backend: str, n: int, repeats: int, psi
       continue
     name = r.name.split("/", 1)[1]
     gbps = _value(records, f"bandwidth_GBps/{name}")
-    fusions = _value(records, f"hlo_fusions/{name}")
+    fusions, temp, faults = [_value(records, f"{kind}/{name}")
+                             for kind in ("hlo_fusions", "temp_MiB", "page_faults")]
     lines.append(f"| {name} | {r.value:.3f} | {'' if gbps is None else f'{gbps:.1f}'} | "
                  f"{r.value / adamw_ms:.3f} | "
                  f"{'' if gbps is None else f'{gbps / copy_gbps:.3f}'} | "
-                 f"{'' if fusions is None else int(fusions)} |")
+                 f"{'' if fusions is None else int(fusions)} | "
+                 f"{'' if temp is None else f'{temp:.1f}'} | "
+                 f"{'' if faults is None else f'{faults:.0f}'} |")
   lines += ["", "| ratio | value |", "|---|---|"]
   for name in ("loco_over_adamw", "loco_over_adamw_tree", "compress_step_over_adamw",
                "loco_bandwidth_fraction_of_copy", "loco_update_bandwidth_fraction_of_copy",
