@@ -149,7 +149,8 @@ def apply_loss(graphdef: nnx.GraphDef, params: Params, batch_BxL1: jax.Array) ->
   Example:
     >>> graphdef, params = split_model(GPT())
     >>> batch = jnp.zeros((8, 65), jnp.int32)
-    >>> loss, grads = jax.value_and_grad(lambda p: apply_loss(graphdef, p, batch))(params)
+    >>> loss_and_grads = jax.jit(jax.value_and_grad(lambda p: apply_loss(graphdef, p, batch)))
+    >>> loss, grads = loss_and_grads(params)
   """
   return loss_fn(nnx.merge(graphdef, params), batch_BxL1)
 
