@@ -4,9 +4,9 @@ Every transformation (loco, two_hop, co3, the baselines) runs the same plumbing 
 step. `split` takes the gradient tree: the leaves to compress (float, non-empty), grouped by the
 mesh axes over which they differ from device to device. `Leaves.flat` hands each one to the step
 as a flat float32 vector; the step compresses, exchanges and averages one group at a time; and
-`Leaves.outputs`, `Leaves.agree` and `keep_if` (or `Leaves.keep_or_skip`, for a step
-that takes its results out of buckets) put the results back (the leaves' shapes and
-dtypes; the state kept wherever some gradient was not finite, on every device alike).
+`Leaves.outputs`, `Leaves.agree` and `keep_if` (or `Leaves.keep_or_skip`, for a step that takes
+its results out of buckets) put the results back (the leaves' shapes and dtypes; the state kept
+wherever some gradient was not finite, on every device alike).
 
 Local blocks. A leaf may be sharded over mesh axes that the transformation does not average
 over (a 'model' axis). Each device then compresses the block it holds, and nothing crosses
@@ -22,8 +22,8 @@ those axes but a 4-byte flag (so that every shard keeps or skips a non-finite st
       like the params), and it runs as in (b). Told nothing, the step flattens whole leaves
       (GSPMD gathers them over the Auto axes) and warns once.
 A leaf's state follows its layout: flat per-leaf state (a baseline's error) is sharded over all
-the axes the leaf is, P((axes...)); per-bucket state (LoCo's) over every axis of the nested
-shard_map; in `init` as in `update`.
+the axes the leaf is, P((axes...)); per-bucket state (LoCo's) over its group of leaves' axes;
+in `init` as in `update`.
 """
 
 import contextlib
@@ -75,10 +75,7 @@ def _names(axes: AxisNames) -> tuple[str, ...]:
 
 def _varying(x) -> frozenset:
   """The manual mesh axes over which `x` differs from device to device (its vma)."""
-  try:
-    kind = jax.typeof(x)
-  except TypeError:  # not a JAX type (a ShapeDtypeStruct)
-    return frozenset()
+  kind = _type(x)  # a ShapeDtypeStruct has neither
   manual = getattr(kind, "manual_axis_type", None)  # jax 0.10; older jax: `vma`
   return frozenset(manual.varying if manual is not None else getattr(kind, "vma", ()))
 
@@ -142,15 +139,13 @@ class Leaves(NamedTuple):
     finite (0), else NaN updates and the `old` state (trees of one structure).
 
     `taken()` -> flat values per leaf takes the step's results out of its buckets. On
-    `SKIP_BY_COND` backends this is one lax.cond that calls it on its keep branch only, so each
-    leaf's update is a bare slice: an add of the flags per leaf made ~150 more kernels for
-    XLA:CPU to compile on the GPT-2-shaped tree (docs/PERFORMANCE.md). A GPU reads a cond's
-    predicate back to the host, which stalls its stream: there the step selects and adds.
-    `value_like`: per sent leaf, an array typed like its values (the manual axes they vary
-    over, which both branches must match). `shards`: the update is each leaf's flat shard over
-    that many devices (scatter), not the leaf. `checked`: the flags were known before the step,
-    which itself wrote NaN values and kept the state where they are not finite: `taken()` and
-    `new` are the result as it stands.
+    `SKIP_BY_COND` backends one lax.cond calls it on its keep branch only, so each leaf's update
+    is a bare slice (an add of the flags per leaf made ~150 more kernels for XLA:CPU to compile
+    on the GPT-2-shaped tree); a GPU would read the cond's predicate back to the host, stalling
+    its stream, so there the step selects and adds. `value_like`: per sent leaf, an array typed
+    like its values (its manual axes, which both branches must match). `shards`: the update is
+    each leaf's flat shard over that many devices (scatter). `checked`: the flags were known
+    before the step, which wrote NaN values and kept the state itself: the result stands.
     """
     shaped = shards is None
     if checked:
@@ -377,6 +372,17 @@ def _local_call(fn: Callable, compiled: dict, lay: _Layout, in_specs, out_specs,
   return compiled[key](*args)
 
 
+def shapes_inside(fn: Callable, mesh: Any, in_specs: Any, axes: Any, *args) -> Any:
+  """Shapes of `fn(*args)` on the blocks of a shard_map manual over `axes` (only there do groups
+  of leaves split over them show)."""
+  seen = []
+  probe = lambda *blocks: seen.append(jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), fn(*blocks))) or jnp.zeros(())
+  jax.eval_shape(jax.shard_map(probe, mesh=mesh, in_specs=in_specs, out_specs=P(),
+                               axis_names=set(axes)), *args)
+  return seen[0]
+
+
 def local_init(init_fn: Callable, averaged: AxisNames = None, specs: Any = None,
                who: str = "init") -> Callable:
   """`init_fn(params)` run on each device's local blocks where leaves are sharded over axes
@@ -387,14 +393,9 @@ def local_init(init_fn: Callable, averaged: AxisNames = None, specs: Any = None,
       return init_fn(params)
     treedef = jax.tree.structure(params)
     in_specs = (treedef.unflatten(lay.specs),)
-    # The state's shapes where init sees the blocks: only there do groups of leaves show.
-    seen = []
-    probe = lambda p: seen.append(jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), init_fn(p))) or jnp.zeros(())
-    jax.eval_shape(jax.shard_map(_inside(probe, lay.axes), mesh=lay.mesh, in_specs=in_specs,
-                                 out_specs=P(), axis_names=set(lay.axes)), params)
-    out_specs = _state_specs(seen[0], treedef, lay)
-    return _local_call(init_fn, compiled, lay, in_specs, out_specs, params)
+    state = shapes_inside(_inside(init_fn, lay.axes), lay.mesh, in_specs, lay.axes, params)
+    return _local_call(init_fn, compiled, lay, in_specs, _state_specs(state, treedef, lay),
+                       params)
   compiled = {}
   return wrapped
 

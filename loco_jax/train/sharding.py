@@ -103,12 +103,8 @@ def _per_device_shapes(init: Callable, params: Any, mesh: Mesh, data: tuple[str,
   if specs is None or not model:
     stacked = jax.eval_shape(per_device, params)
   else:
-    seen = []
-    probe = lambda p: seen.append(jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), per_device(p))) or jnp.zeros(())
-    jax.eval_shape(jax.shard_map(probe, mesh=mesh, in_specs=(restrict(specs, model),),
-                                 out_specs=P(), axis_names=set(model)), params)
-    stacked = seen[0]
+    stacked = leaves_lib.shapes_inside(per_device, mesh, (restrict(specs, model),), model,
+                                       params)
   shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[len(data):], x.dtype), stacked)
   return shapes, state_specs(stacked, _entry(data))
 
