@@ -4,6 +4,7 @@ import json
 import mmap
 import os
 
+import jax
 import pytest
 
 from loco_jax.apps import bench
@@ -62,6 +63,21 @@ def test_quick_run_writes_every_part_atomically(tmp_path, monkeypatch, capsys):
   assert any(name.startswith("codec/") for name in by_name)
   out = capsys.readouterr().out
   assert "| loco_over_adamw |" in out and "## Cost model" in out
+
+
+def test_every_timed_step_keeps_its_donated_state_in_place():
+  # jax gives a donated buffer to the first output of its shape and dtype: a step that returned
+  # its update first would hand adamw's mu to the update and time a copy (2x adamw's step).
+  cands, _, _ = bench._step_candidates(2**12, "cpu", False, {"d_model": 16, "layers": 1})
+  stateful = [c for c in cands if c.name in ("adamw", "loco_update", "adamw_tree",
+                                             "loco_update_tree", "compress_step_jnp")]
+  assert len(stateful) == 5
+  for c in stateful:
+    pointers = lambda: sorted(x.unsafe_buffer_pointer() for x in jax.tree.leaves(c.state)
+                              if x.size > 1)
+    before = pointers()
+    c.run()
+    assert pointers() == before, c.name
 
 
 def test_minor_faults_counts_first_touches():

@@ -188,15 +188,18 @@ def _step_candidates(n: int, backend: str, sweep: bool,
   the kernels (records)."""
   g = jax.random.normal(jax.random.key(0), (n,), jnp.float32)
   facts, compiled = {}, {}
+  # Every timed step returns its new state first: jax gives each donated buffer to the first
+  # output of its shape and dtype, so with the update first adamw's mu would be written as the
+  # update and its new mu into a fresh buffer (2x adamw's time: docs/PERFORMANCE.md).
   adamw = optax.adamw(1e-3)
-  adamw_step = jax.jit(lambda grads, params, state: adamw.update(grads, state, params),
+  adamw_step = jax.jit(lambda grads, params, state: adamw.update(grads, state, params)[::-1],
                        donate_argnums=2)
-  cands = [_Candidate("adamw", adamw_step, adamw.init(g), (g, g), keep=lambda out: out[1])]
+  cands = [_Candidate("adamw", adamw_step, adamw.init(g), (g, g), keep=lambda out: out[0])]
   compiled["adamw"] = _compiled_facts(adamw_step, g, g, jax.eval_shape(adamw.init, g))
   opt = loco()
-  loco_step = jax.jit(lambda grads, state: opt.update(grads, state), donate_argnums=1)
+  loco_step = jax.jit(lambda grads, state: opt.update(grads, state)[::-1], donate_argnums=1)
   cands.append(_Candidate("loco_update", loco_step, opt.init(g), (g,),
-                          keep=lambda out: out[1]))
+                          keep=lambda out: out[0]))
   compiled["loco_update"] = _compiled_facts(loco_step, g, jax.eval_shape(opt.init, g))
   facts["compile_s/adamw"] = _compile_seconds(jax.jit(lambda a, b, c: adamw.update(a, c, b)), g,
                                               g, adamw.init(g))
@@ -204,13 +207,11 @@ def _step_candidates(n: int, backend: str, sweep: bool,
                                                     opt.init(g))
   tree = jax.tree.map(lambda s: jax.random.normal(jax.random.key(len(s)), s, jnp.float32),
                       gpt2_shapes(**tree_size), is_leaf=lambda s: isinstance(s, tuple))
-  adamw_tree = jax.jit(lambda grads, params, state: adamw.update(grads, state, params),
-                       donate_argnums=2)
-  cands.append(_Candidate("adamw_tree", adamw_tree, adamw.init(tree), (tree, tree),
-                          keep=lambda out: out[1]))
+  cands.append(_Candidate("adamw_tree", adamw_step, adamw.init(tree), (tree, tree),
+                          keep=lambda out: out[0]))
   cands.append(_Candidate("loco_update_tree", loco_step, opt.init(tree), (tree,),
-                          keep=lambda out: out[1]))
-  compiled["adamw_tree"] = _compiled_facts(adamw_tree, tree, tree,
+                          keep=lambda out: out[0]))
+  compiled["adamw_tree"] = _compiled_facts(adamw_step, tree, tree,
                                           jax.eval_shape(adamw.init, tree))
   compiled["loco_update_tree"] = _compiled_facts(loco_step, tree, jax.eval_shape(opt.init, tree))
   facts["compile_s/adamw_tree"] = _compile_seconds(
@@ -236,10 +237,10 @@ def _step_candidates(n: int, backend: str, sweep: bool,
   def compress_candidate(name: str, **options) -> _Candidate:
     def step(grads, state):  # every output is returned, so that XLA computes all of them
       out = kernels.compress_step(grads, *state, **options)
-      return out.packed, out.scales, out.finite, (out.error, out.error_scale)
+      return (out.error, out.error_scale), out.packed, out.scales, out.finite
     state = (jnp.zeros(n, jnp.int8), jnp.zeros(blocks, jnp.float32))
     return _Candidate(name, jax.jit(step, donate_argnums=1), state, (g,),
-                      keep=lambda out: out[3])
+                      keep=lambda out: out[0])
 
   jnp_step = compress_candidate("compress_step_jnp", implementation="jnp")
   cands.append(jnp_step)

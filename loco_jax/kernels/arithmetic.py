@@ -21,8 +21,8 @@ NUM_WARPS = 4
 # On GPU, buckets of shorter blocks (a small leaf's remainder) take the jnp path.
 GPU_MIN_BLOCK = 128
 # The jnp path on CPU works through this many blocks of 2048 at a time (see `compress_jnp`):
-# on 2**24 values (2 shared EPYC cores, 2026-12-01) the step took 1.24x adamw's time untiled
-# and 0.56x by tiles of 64 or 256 blocks (the materialized h and residual stay in cache).
+# on 2**24 values (2 shared EPYC cores, 2026-12-01) the step took 2.2x as long untiled as by
+# tiles of 64 or 256 blocks (the materialized h and residual stay in cache).
 CPU_TILE_BLOCKS = 64
 
 
