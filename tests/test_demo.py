@@ -8,7 +8,9 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
+import subprocess
 import time
 
 import numpy as np
@@ -188,17 +190,33 @@ def test_out_checked_before_training(tmp_path, monkeypatch, capsys):
              "Permission denied")
 
 
+@contextlib.contextmanager
+def _read_only(folder):
+  """`folder` without write permission; for root, who writes there anyway, a read-only bind
+  mount of it (skips where mounting is not allowed either)."""
+  folder.chmod(0o555)
+  mounted = False
+  try:
+    if os.access(folder, os.W_OK):
+      bind = ["mount", "--bind", str(folder), str(folder)]
+      if shutil.which("mount") is None or subprocess.run(bind, capture_output=True).returncode:
+        pytest.skip("this user writes in read-only folders and may not mount one read-only")
+      mounted = True
+      remount = ["mount", "-o", "remount,bind,ro", str(folder)]
+      subprocess.run(remount, capture_output=True, check=True)
+    yield folder
+  finally:
+    if mounted:
+      subprocess.run(["umount", str(folder)], capture_output=True, check=True)
+    folder.chmod(0o755)
+
+
 def test_out_in_a_read_only_folder(tmp_path, monkeypatch, capsys):
   _no_device_setup(monkeypatch)
-  locked = tmp_path / "locked"
-  locked.mkdir()
-  locked.chmod(0o555)
-  try:
-    if os.access(locked, os.W_OK):
-      pytest.skip("this user (root?) may write in read-only folders")
+  (tmp_path / "locked").mkdir()
+  with _read_only(tmp_path / "locked") as locked:
     _cli_fails(capsys, ["--out", str(locked / "out")], "--out", "not writable")
-  finally:
-    locked.chmod(0o755)
+    assert not (locked / "out").exists()
 
 
 @settings(max_examples=40, deadline=None)
