@@ -29,8 +29,7 @@ def _step(opt, params, mesh):
 
 def _tree_times(mesh) -> list[tuple[str, bool]]:
   """Compile seconds and median step ms of the GPT-2-shaped tree's mesh step, loco and pmean."""
-  params = jax.tree.map(lambda s: jax.random.normal(jax.random.key(len(s)), s),
-                        bench.gpt2_shapes(), is_leaf=lambda s: isinstance(s, tuple))
+  params = bench.gpt2_params()
   grads = jax.tree.map(lambda x: x[None], params)
   pmean = optax.GradientTransformation(
       lambda p: optax.EmptyState(), lambda g, s, p=None: (jax.lax.pmean(g, "data"), s))

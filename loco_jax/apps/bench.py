@@ -114,6 +114,18 @@ def gpt2_shapes(d_model: int = 256, layers: int = 12, vocab: int = 256,
           **{f"h{i}": layer for i in range(layers)}}
 
 
+def gpt2_params(**shape_options) -> dict:
+  """`gpt2_shapes(**shape_options)` as float32 standard-normal leaves (the values the timed and
+  compiled steps run on).
+
+  Example:
+    >>> gpt2_params(d_model=64, layers=2)["h0"]["mlp"]["fc"]["kernel"].shape
+    (64, 256)
+  """
+  return jax.tree.map(lambda s: jax.random.normal(jax.random.key(len(s)), s, jnp.float32),
+                      gpt2_shapes(**shape_options), is_leaf=lambda s: isinstance(s, tuple))
+
+
 # --- Timing -----------------------------------------------------------------------------------
 
 
@@ -205,8 +217,7 @@ def _step_candidates(n: int, backend: str, sweep: bool,
                                               g, adamw.init(g))
   facts["compile_s/loco_update"] = _compile_seconds(jax.jit(lambda a, b: opt.update(a, b)), g,
                                                     opt.init(g))
-  tree = jax.tree.map(lambda s: jax.random.normal(jax.random.key(len(s)), s, jnp.float32),
-                      gpt2_shapes(**tree_size), is_leaf=lambda s: isinstance(s, tuple))
+  tree = gpt2_params(**tree_size)
   cands.append(_Candidate("adamw_tree", adamw_step, adamw.init(tree), (tree, tree),
                           keep=lambda out: out[0]))
   cands.append(_Candidate("loco_update_tree", loco_step, opt.init(tree), (tree,),
