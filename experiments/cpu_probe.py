@@ -71,7 +71,7 @@ def reductions(repeats: int) -> None:
 
 def bare_step(g, error, error_scale):
   """LoCo's formula with none of the step's guards (saturation, non-finite marks, zero
-  scales): the least arithmetic any jnp formulation of the step does."""
+  scales): arithmetic that every formulation of the step does, and a lower bound for them."""
   g = g.reshape(-1, BLOCK)
   e = error.reshape(-1, BLOCK).astype(jnp.float32) * error_scale[:, None]
   h = g + e
