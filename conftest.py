@@ -23,7 +23,7 @@ collect_ignore = ["tests/mp_worker.py", "tests/train_worker.py", "loco_jax/__mai
 # one ISA only fails in CI instead of on a user's machine.
 NUMERICS = {"test_baselines.py", "test_buckets.py", "test_co3.py", "test_co3_robust.py",
             "test_comm.py", "test_conformance.py", "test_finite.py", "test_fp.py",
-            "test_gennorm.py", "test_hierarchical.py", "test_huffman_jnp.py", "test_kernels.py",
+            "test_gennorm.py", "test_two_hop.py", "test_huffman_jnp.py", "test_kernels.py",
             "test_loco.py", "test_parallel.py", "test_parallel_2d.py", "test_quant.py",
             "test_sharding.py"}
 

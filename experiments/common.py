@@ -97,10 +97,10 @@ def make_variant(name: str, config, axis_name: str = "data"):
   if m := re.fullmatch(r"topk([\d.]+)", name):
     return baselines.topk_ef(float(m[1]) / 100, axis_name)
   if m := _LOCO.fullmatch(name):
-    from loco_jax.transforms import loco as loco_module
+    from loco_jax.transforms import settings as loco_settings
     bits, opts = int(m[1]), m[2]
-    paper = "-paper" in opts or bits not in loco_module.BIT_WIDTH_DEFAULTS
-    base = loco_module.defaults_for(bits)
+    paper = "-paper" in opts or bits not in loco_settings.BIT_WIDTH_DEFAULTS
+    base = loco_settings.defaults_for(bits)
     scaling = _scaling(opts, b if paper else base["block_size"])
     if not paper and "-rms" not in opts:
       scaling.update(scale_method=base["scale_method"], clip_rms=base["clip_rms"])

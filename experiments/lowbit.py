@@ -195,9 +195,9 @@ def _key(variant: str, overrides: dict, seed: int) -> str:
 
 def _settings(variant: str) -> dict | None:
   """loco's resolved defaults for a demo loco<b> name (recorded with each run)."""
-  from loco_jax.transforms import loco
+  from loco_jax.transforms import settings
   m = re.fullmatch(r"loco(\d)", variant)
-  return loco.defaults_for(int(m[1])) if m else None
+  return settings.defaults_for(int(m[1])) if m else None
 
 
 def run(variants: list[str], seeds: list[int], overrides: dict, base, out: Path) -> None:

@@ -18,7 +18,7 @@ import optax  # noqa: E402
 from loco_jax import comm, loco  # noqa: E402
 from loco_jax.train import parallel
 from loco_jax.transforms import baselines
-from loco_jax.transforms.hierarchical import two_hop  # noqa: E402
+from loco_jax.transforms.two_hop import two_hop  # noqa: E402
 
 N = 8
 

@@ -270,20 +270,6 @@ def _device_grads(params, seed):
           for i, (k, x) in enumerate(sorted(params.items()))}
 
 
-def _sharded_step(opt, mesh, params):
-  state, specs = parallel.init_opt_state(opt, params, mesh)
-  grad_specs = jax.tree.map(lambda _: P("data"), params)
-  update = lambda g, s: opt.update(jax.tree.map(lambda x: x[0], g), s)
-  step = jax.jit(jax.shard_map(update, mesh=mesh, in_specs=(grad_specs, specs),
-                               out_specs=(jax.tree.map(lambda _: P(), params), specs)))
-  return step, state
-
-
-@pytest.fixture(scope="module")
-def mesh():
-  return parallel.data_mesh(N)
-
-
 def _per_device(tree):
   """The global array of a per-device field stacks N copies: [N * size] -> [N, size]."""
   return jax.tree.map(lambda x: np.asarray(x).reshape(N, -1), tree)
@@ -295,8 +281,8 @@ TOLERANCE = {"uncompressed": 1e-6, "bf16": N * 2 ** -9, "topk_ef": 1e-6}
 
 
 @pytest.mark.parametrize("name", sorted(METHODS))
-def test_mesh_output_is_the_mean_of_local_decompressions(mesh, name):
-  step, state = _sharded_step(METHODS[name](axis_name="data"), mesh, MESH_PARAMS)
+def test_mesh_output_is_the_mean_of_local_decompressions(mesh, name, shard_mapped_update):
+  step, state = shard_mapped_update(METHODS[name](axis_name="data"), mesh, MESH_PARAMS)
   local = METHODS[name]()
   local_update = jax.jit(local.update)
   local_states = [local.init(MESH_PARAMS)] * N
@@ -349,9 +335,9 @@ WIRE = {
 
 
 @pytest.mark.parametrize("name", sorted(WIRE))
-def test_wire_bits_from_the_hlo(mesh, name):
+def test_wire_bits_from_the_hlo(mesh, name, shard_mapped_update):
   factory = getattr(baselines, name)   # default block size, 2048
-  step, state = _sharded_step(factory(axis_name="data"), mesh, WIRE_PARAMS)
+  step, state = shard_mapped_update(factory(axis_name="data"), mesh, WIRE_PARAMS)
   n_params = sum(x.size for x in jax.tree.leaves(WIRE_PARAMS))
   found = comm.lowered_collectives(step, _device_grads(WIRE_PARAMS, 0), state)
   bits = {}
@@ -363,12 +349,12 @@ def test_wire_bits_from_the_hlo(mesh, name):
     assert 0.85 * most < bits[(op, dtype)] <= most + 1e-9, (op, bits)
 
 
-def test_topk_wire_bits_are_proportional_to_the_fraction(mesh):
+def test_topk_wire_bits_are_proportional_to_the_fraction(mesh, shard_mapped_update):
   n_params = sum(x.size for x in jax.tree.leaves(WIRE_PARAMS))
   grads = _device_grads(WIRE_PARAMS, 0)
   bits = {}
   for fraction in (0.01, 0.1):
-    step, state = _sharded_step(baselines.topk_ef(fraction, axis_name="data"), mesh,
+    step, state = shard_mapped_update(baselines.topk_ef(fraction, axis_name="data"), mesh,
                                 WIRE_PARAMS)
     (gather,) = comm.lowered_collectives(step, grads, state)
     assert (gather.op, gather.dtype) == ("all-gather", "s32")

@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from loco_jax import comm, kernels, loco
 from loco_jax.apps import bench
-from loco_jax.core import buckets
+from loco_jax.core import buckets, layout
 from loco_jax.kernels import reference
 from loco_jax.train import parallel
 
@@ -36,7 +36,7 @@ def test_every_leaf_row_lies_in_whole_blocks_of_its_own(sizes, rows, block_size)
     if not size:
       assert leaf is None
       continue
-    assert leaf.row_len == comm.shard_len(size, rows)
+    assert leaf.row_len == layout.shard_len(size, rows)
     at = 0
     for q in leaf.pieces:
       assert q.start == at
@@ -65,12 +65,12 @@ def test_small_leaves_are_not_padded_to_a_full_block():
 def test_a_second_short_length_is_taken_where_it_saves_bytes():
   sizes = (256, 768, 1024, 65536, 196608)
   # Over 64 devices the big leaves' shards (1024 and 3072 values) are shorter than a block too.
-  rests = [comm.shard_len(n, 64) % 2048 for n in sizes]
+  rests = [layout.shard_len(n, 64) % 2048 for n in sizes]
   many = buckets.plan(sizes, 64, 2048)
   assert len(many.block_lens) == 3
   sent = lambda lengths: sum(buckets._remainder_pieces(r, 2048, lengths)[0] for r in rests)
   shorter = tuple(n for n in many.block_lens if n < 2048)
-  row_bytes = sum(comm.shard_len(n, 64) for n in sizes) * 2.5
+  row_bytes = sum(layout.shard_len(n, 64) for n in sizes) * 2.5
   single = min(sent((8 * 2 ** k,)) for k in range(8))
   assert single > sent(shorter) + 0.01 * row_bytes  # more than 1% more bytes with one length
 
@@ -113,7 +113,7 @@ def test_buckets_round_trip_and_rows_are_the_per_leaf_shards(sizes, rows, seed):
       continue
     np.testing.assert_array_equal(np.asarray(back[i]), np.asarray(x))
     np.testing.assert_array_equal(np.asarray(scales_back[i]), np.asarray(scales[i]))
-    want = comm.shard_rows(x, comm.leaf_layout(leaf.size, rows, None))
+    want = layout.shard_rows(x, layout.leaf_layout(leaf.size, rows, None))
     for j in range(rows):
       np.testing.assert_array_equal(np.asarray(rows_of[j][i]), np.asarray(want[j]))
 
@@ -160,11 +160,6 @@ def _reference_first_step(grads, p, block_size):
       [jnp.asarray(m) for m in mean], p, firsts)]))
 
 
-@pytest.fixture(scope="module")
-def mesh():
-  return parallel.data_mesh(N)
-
-
 def test_mesh_step_averages_every_bucket_through_dequantize_mean(mesh, monkeypatch):
   calls = []
   mean = kernels.dequantize_mean
@@ -192,7 +187,7 @@ def test_scatter_gives_each_device_its_per_leaf_shard(mesh):
   out, _ = step(grads, state)
   full_out, _ = full(grads, full_state)
   for k, x in PARAMS.items():
-    row_len = comm.shard_len(x.size, N)
+    row_len = layout.shard_len(x.size, N)
     assert out[k].shape == (N * row_len,)
     np.testing.assert_allclose(np.asarray(out[k])[: x.size], np.asarray(full_out[k]).reshape(-1),
                                rtol=2 ** -8, atol=1e-6)

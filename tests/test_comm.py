@@ -7,6 +7,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from loco_jax import comm, loco
+from loco_jax.core import layout
 from loco_jax.transforms.loco_state import error_by_leaf
 from loco_jax.train import parallel
 
@@ -23,24 +24,11 @@ def _device_grads(seed):
           for key, (k, x) in zip(keys, sorted(PARAMS.items()))}
 
 
-def _sharded_step(opt, mesh, out_spec=P()):
-  _, specs = parallel.init_opt_state(opt, PARAMS, mesh)
-  grad_specs = jax.tree.map(lambda _: P("data"), PARAMS)
-  update = lambda g, s: opt.update(jax.tree.map(lambda x: x[0], g), s)
-  return jax.jit(jax.shard_map(update, mesh=mesh, in_specs=(grad_specs, specs),
-                               out_specs=(jax.tree.map(lambda _: out_spec, PARAMS), specs)))
-
-
-@pytest.fixture(scope="module")
-def mesh():
-  return parallel.data_mesh(N)
-
-
-def test_output_is_the_mean_of_every_devices_decompressed_gradient(mesh):
+def test_output_is_the_mean_of_every_devices_decompressed_gradient(mesh, shard_mapped_update):
   kwargs = dict(scale=16.0, error_scale=64.0, reset_interval=3)  # fixed scales: layout-free
   opt = loco(axis_name="data", **kwargs)
   state, _ = parallel.init_opt_state(opt, PARAMS, mesh)
-  step = _sharded_step(opt, mesh)
+  step = shard_mapped_update(opt, mesh, PARAMS)[0]
   local = loco(**kwargs)
   local_states = [local.init(PARAMS) for _ in range(N)]
   local_update = jax.jit(local.update)
@@ -67,10 +55,10 @@ def test_output_is_the_mean_of_every_devices_decompressed_gradient(mesh):
 
 
 @pytest.mark.parametrize("gather", ["bf16", "quantized"])
-def test_block_scales_average_close_to_the_true_mean(mesh, gather):
+def test_block_scales_average_close_to_the_true_mean(mesh, gather, shard_mapped_update):
   opt = loco(axis_name="data", gather=gather)
   state, _ = parallel.init_opt_state(opt, PARAMS, mesh)
-  step = _sharded_step(opt, mesh)
+  step = shard_mapped_update(opt, mesh, PARAMS)[0]
   total_in, total_out = 0, 0
   for seed in range(6):
     grads = _device_grads(seed)
@@ -83,12 +71,13 @@ def test_block_scales_average_close_to_the_true_mean(mesh, gather):
   assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree.leaves(out))
 
 
-def test_wire_bytes_from_the_hlo(mesh):
+def test_wire_bytes_from_the_hlo(mesh, shard_mapped_update):
   report = {}
   for gather in ("bf16", "quantized"):
     opt = loco(axis_name="data", gather=gather)
     state, _ = parallel.init_opt_state(opt, PARAMS, mesh)
-    found = comm.lowered_collectives(_sharded_step(opt, mesh), _device_grads(0), state)
+    step = shard_mapped_update(opt, mesh, PARAMS)[0]
+    found = comm.lowered_collectives(step, _device_grads(0), state)
     report[gather] = {c.op: comm.wire_bits_per_param([c], N_PARAMS) for c in found}
     assert [c.op for c in found] == ["all-to-all", "all-gather"]
     assert all(c.op not in ("all-reduce", "reduce-scatter") for c in found)
@@ -100,31 +89,33 @@ def test_wire_bytes_from_the_hlo(mesh):
   # The buffer itself: 4 bits plus scales, about 4.02 a parameter.
   opt = loco(axis_name="data")
   state, _ = parallel.init_opt_state(opt, PARAMS, mesh)
-  (a2a, _) = comm.lowered_collectives(_sharded_step(opt, mesh), _device_grads(0), state)
+  step = shard_mapped_update(opt, mesh, PARAMS)[0]
+  (a2a, _) = comm.lowered_collectives(step, _device_grads(0), state)
   assert 4.0 < 8 * a2a.nbytes / N_PARAMS <= 4.1
 
 
-def test_scatter_returns_this_devices_shard(mesh):
+def test_scatter_returns_this_devices_shard(mesh, shard_mapped_update):
   opt = loco(axis_name="data", scale=16.0, error_scale=64.0, scatter=True)
-  step = _sharded_step(opt, mesh, out_spec=P("data"))
+  step = shard_mapped_update(opt, mesh, PARAMS, out_spec=P("data"))[0]
   state, _ = parallel.init_opt_state(opt, PARAMS, mesh)
   grads = _device_grads(1)
   out, _ = step(grads, state)
   full = loco(axis_name="data", scale=16.0, error_scale=64.0)
-  full_out, _ = _sharded_step(full, mesh)(grads, parallel.init_opt_state(full, PARAMS, mesh)[0])
+  full_step, full_state = shard_mapped_update(full, mesh, PARAMS)
+  full_out, _ = full_step(grads, full_state)
   for k, x in PARAMS.items():
-    layout = comm.leaf_layout(x.size, N, None)
-    assert out[k].shape == (N * layout.row_len,)
+    rows = layout.leaf_layout(x.size, N, None)
+    assert out[k].shape == (N * rows.row_len,)
     np.testing.assert_allclose(np.asarray(out[k])[: x.size],
                                np.asarray(full_out[k]).reshape(-1), rtol=2 ** -8, atol=1e-6)
   found = comm.lowered_collectives(step, grads, state)
   assert "all-gather" not in [c.op for c in found]
 
 
-def test_non_finite_on_one_device_skips_the_step_on_every_device(mesh):
+def test_non_finite_on_one_device_skips_the_step_on_every_device(mesh, shard_mapped_update):
   opt = loco(axis_name="data")
   state, _ = parallel.init_opt_state(opt, PARAMS, mesh)
-  step = _sharded_step(opt, mesh)
+  step = shard_mapped_update(opt, mesh, PARAMS)[0]
   _, state = step(_device_grads(0), state)
   grads = _device_grads(1)
   grads["w"] = grads["w"].at[3, 0, 0].set(jnp.inf)
@@ -135,7 +126,8 @@ def test_non_finite_on_one_device_skips_the_step_on_every_device(mesh):
 
 
 @pytest.mark.parametrize("mode", [dict(), dict(gather="quantized"), dict(scatter=True)])
-def test_skip_by_cond_and_by_selects_give_the_same_steps(mesh, monkeypatch, mode):
+def test_skip_by_cond_and_by_selects_give_the_same_steps(mesh, monkeypatch, mode,
+                                                        shard_mapped_update):
   # CPU skips a non-finite step with one lax.cond (`leaves.SKIP_BY_COND`), other backends with
   # selects per leaf: both give the same updates and states, bit for bit (the same arithmetic),
   # over a finite step, a non-finite one and a finite one again.
@@ -145,7 +137,7 @@ def test_skip_by_cond_and_by_selects_give_the_same_steps(mesh, monkeypatch, mode
   runs = []
   for backends in (("cpu",), ()):
     monkeypatch.setattr(leaves, "SKIP_BY_COND", backends)
-    step = _sharded_step(opt, mesh, out_spec)
+    step = shard_mapped_update(opt, mesh, PARAMS, out_spec=out_spec)[0]
     state, _ = parallel.init_opt_state(opt, PARAMS, mesh)
     seen = []
     for seed in range(3):
@@ -195,8 +187,8 @@ def test_a_tree_with_nothing_to_compress_passes_through(mesh):
   params = {"step": jnp.zeros((8,), jnp.int32)}
   opt = loco(axis_name="data")
   state, specs = parallel.init_opt_state(opt, params, mesh)
-  step = jax.jit(jax.shard_map(opt.update, mesh=mesh, in_specs=(P("data"), specs),
-                               out_specs=(P("data"), specs)))
+  step = jax.jit(jax.shard_map(opt.update, mesh=mesh, in_specs=(P(), specs),
+                               out_specs=(P(), specs)))
   out, state = step(params, state)
   np.testing.assert_array_equal(np.asarray(out["step"]), 0)
   assert int(state.count) == 1

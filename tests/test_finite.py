@@ -15,8 +15,9 @@ from jax.sharding import PartitionSpec as P
 from loco_jax import kernels
 from loco_jax.train import parallel
 from loco_jax.transforms import baselines
-from loco_jax.transforms.hierarchical import two_hop
-from loco_jax.transforms.loco import _reference_step, loco
+from loco_jax.transforms.two_hop import two_hop
+from loco_jax.kernels.feedback import reference_step
+from loco_jax.transforms.loco import loco
 
 N = 8
 BLOCK = 64
@@ -224,7 +225,7 @@ def test_feedback_errors_drain_instead_of_growing():
 @functools.cache
 def _kernel_steps(bits):
   """loco's unfused step and kernels.compress_step (jnp, and Pallas in interpret mode)."""
-  reference = jax.jit(functools.partial(_reference_step, reset=False, bits=bits,
+  reference = jax.jit(functools.partial(reference_step, reset=False, bits=bits,
                                         block_size=BLOCK))
   fused = {impl: jax.jit(functools.partial(
       kernels.compress_step, bits=bits, block_size=BLOCK, decompressed=True,

@@ -1,6 +1,7 @@
-"""The package layout: the library never imports the applications, every library module stays
-small, and the module paths from before the subpackages still import."""
+"""The package layout: the library never imports the applications, layers only point down, no
+import cycle, small modules and functions, no private name crosses a module, one public face."""
 
+import ast
 import importlib
 import pkgutil
 import subprocess
@@ -11,8 +12,50 @@ import pytest
 
 import loco_jax
 
+ROOT = Path(loco_jax.__file__).parent
 LIBRARY = [m.name for m in pkgutil.walk_packages(loco_jax.__path__, "loco_jax.")
            if not m.name.startswith("loco_jax.apps") and m.name != "loco_jax.__main__"]
+LAYERS = ("core", "kernels", "comm", "codecs", "transforms", "train")  # each imports only down
+# codecs sit beside kernels: both only use core.
+BELOW = {"core": set(), "kernels": {"core"}, "codecs": {"core"}, "comm": {"core", "kernels"},
+         "transforms": {"core", "kernels", "comm", "codecs"},
+         "train": {"core", "kernels", "comm", "codecs", "transforms"}}
+
+
+def _source(name: str) -> tuple[Path, ast.Module]:
+  path = Path(importlib.import_module(name).__file__)
+  return path, ast.parse(path.read_text())
+
+
+def _imports(name: str) -> list[tuple[str, str | None, int]]:
+  """(module imported, name taken from it or None, line) for every import in `name`, those
+  inside functions too; relative imports resolved."""
+  path, tree = _source(name)
+  package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+  out = []
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Import):
+      out += [(a.name, None, node.lineno) for a in node.names]
+    elif isinstance(node, ast.ImportFrom):
+      base = node.module or ""
+      if node.level:
+        parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+        base = ".".join(parts + ([base] if base else []))
+      for a in node.names:
+        full = f"{base}.{a.name}"
+        out.append((full if full in LIBRARY else base, a.name, node.lineno))
+  return out
+
+
+def _module_of(target: str) -> str | None:
+  while target and target not in LIBRARY:
+    target = target.rpartition(".")[0]
+  return target or None
+
+
+def _layer(name: str) -> str | None:
+  parts = name.split(".")
+  return parts[1] if len(parts) > 1 and parts[1] in LAYERS else None
 
 
 def test_the_library_never_imports_the_applications():
@@ -27,23 +70,75 @@ def test_the_library_never_imports_the_applications():
   assert out.stdout.strip() == "[]"
 
 
-def test_no_library_module_is_much_over_400_lines():
-  sizes = {name: len(Path(importlib.import_module(name).__file__).read_text().splitlines())
-           for name in LIBRARY}
-  assert max(sizes.values()) <= 420, {n: s for n, s in sizes.items() if s > 420}
+def test_layers_only_point_down_and_no_private_name_crosses_a_module():
+  wrong, private = [], []
+  for name in LIBRARY:
+    for target, taken, line in _imports(name):
+      module = _module_of(target)
+      if module is None or module == name:
+        continue
+      here, there = _layer(name), _layer(module)
+      if here and there and there != here and there not in BELOW[here]:
+        wrong.append(f"{name}:{line} imports {module}")
+      if taken and taken.startswith("_") and not taken.startswith("__"):
+        private.append(f"{name}:{line} imports {taken} from {module}")
+  assert not wrong, wrong
+  assert not private, private
 
 
-@pytest.mark.parametrize("old", sorted(loco_jax.MOVED))
-def test_old_module_paths_are_the_modules_at_their_new_homes(old):
-  module = importlib.import_module(f"loco_jax.{old}")
-  assert module is importlib.import_module(f"loco_jax.{loco_jax.MOVED[old]}")
+def test_no_import_cycle():
+  edges = {name: set() for name in LIBRARY}
+  for name in LIBRARY:
+    own_package = name if _source(name)[0].name == "__init__.py" else None
+    for target, _, _ in _imports(name):
+      module = _module_of(target)
+      # A package's __init__ re-exporting its own children is not a cycle.
+      if module and module != name and not (own_package and module.startswith(name + ".")):
+        edges[name].add(module)
+  seen, on_path = set(), []
+
+  def visit(node):
+    if node in on_path:
+      return on_path[on_path.index(node):] + [node]
+    if node in seen:
+      return None
+    seen.add(node)
+    on_path.append(node)
+    for nxt in sorted(edges[node]):
+      cycle = visit(nxt)
+      if cycle:
+        return cycle
+    on_path.pop()
+    return None
+  for name in LIBRARY:
+    cycle = visit(name)
+    assert cycle is None, " -> ".join(cycle)
 
 
-def test_old_paths_keep_their_public_names():
-  from loco_jax import baselines, checkpoint, co3, comm, fp, gennorm, huffman, kernels, parallel
-  assert callable(parallel.make_train_step) and callable(parallel.initialize)
-  assert callable(checkpoint.save) and callable(kernels.compress_step)
-  assert callable(comm.compiled_collectives) and callable(comm.leaf_layout)
-  assert callable(huffman.decode) and callable(huffman.entropy_bits) and callable(fp.levels)
-  assert callable(gennorm.fit) and callable(baselines.error_feedback) and callable(co3)
+def test_modules_and_functions_stay_small():
+  big, long = {}, []
+  for name in LIBRARY:
+    path, tree = _source(name)
+    lines = len(path.read_text().splitlines())
+    if lines > 400:
+      big[name] = lines
+    long += [f"{name}.{node.name}: {node.end_lineno - node.lineno + 1} lines"
+             for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+             and node.end_lineno - node.lineno + 1 > 80]
+  assert not big, big
+  assert not long, long
+
+
+def test_one_public_face_and_no_import_hook():
+  assert not any(type(f).__module__.startswith("loco_jax") for f in sys.meta_path)
+  for package in ("loco_jax", "loco_jax.transforms", "loco_jax.comm", "loco_jax.kernels"):
+    module = importlib.import_module(package)
+    for public in module.__all__:
+      assert getattr(module, public) is not None, (package, public)
   assert loco_jax.loco.__module__ == "loco_jax.transforms.loco"  # the function, not a module
+
+
+@pytest.mark.parametrize("old", ["parallel", "fsdp", "checkpoint", "huffman", "hierarchical"])
+def test_old_module_paths_are_gone(old):
+  with pytest.raises(ModuleNotFoundError):
+    importlib.import_module(f"loco_jax.{old}")

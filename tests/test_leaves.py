@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from jax.sharding import PartitionSpec as P
 
-from loco_jax.core import leaves
+from loco_jax.core import leaves, local_blocks
 
 DTYPES = (jnp.float32, jnp.float16, jnp.bfloat16, jnp.int32, jnp.bool_)
 
@@ -25,15 +25,15 @@ def _trees(draw):
 @settings(max_examples=25, deadline=None)
 @given(_trees())
 def test_split_chooses_float_leaves_with_elements_and_outputs_restore_them(tree):
-  parts = leaves.split(tree)
+  grads = leaves.split(tree)
   expected = [i for i, x in enumerate(jax.tree.leaves(tree))
               if jnp.issubdtype(x.dtype, jnp.floating) and x.size > 0]
-  assert parts.chosen == expected
-  assert parts.groups == ([expected] if expected else [])  # no manual axes: one group
-  assert parts.spread == ()
-  values = [parts.flat(i) if i in parts.chosen else None for i in range(len(parts.leaves))]
+  assert grads.sent == expected
+  assert grads.groups == ([leaves.Group("", expected, ())] if expected else [])  # one group
+  assert grads.agree_axes == ()
+  values = [grads.flat(i) if i in grads.sent else None for i in range(len(grads.leaves))]
   assert all(v.dtype == jnp.float32 and v.ndim == 1 for v in values if v is not None)
-  out = parts.outputs(values, jnp.float32(0))
+  out = grads.outputs(values, jnp.float32(0))
   for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(tree)):
     assert a.shape == b.shape and a.dtype == b.dtype
     np.testing.assert_array_equal(np.asarray(a, np.float64), np.asarray(b, np.float64))
@@ -44,17 +44,18 @@ def test_split_chooses_float_leaves_with_elements_and_outputs_restore_them(tree)
                 max_size=3), st.sets(st.sampled_from(["data", "model"])))
 def test_kept_axes(entries, kept):
   spec = P(*entries)
-  only = leaves._keep_axes(spec, set(kept))
-  assert sorted(leaves._axes_of(only)) == sorted(a for a in leaves._axes_of(spec) if a in kept)
+  only = local_blocks.keep_axes(spec, set(kept))
+  assert sorted(local_blocks.spec_axes(only)) == sorted(
+      a for a in local_blocks.spec_axes(spec) if a in kept)
 
 
 def test_a_flag_of_nan_skips_the_state_and_poisons_every_output():
   tree = {"w": jnp.ones((2, 3)), "n": jnp.arange(3)}
-  parts = leaves.split(tree)
+  grads = leaves.split(tree)
   new, old = [jnp.zeros(6)], [jnp.ones(6)]
   flags = leaves.flag(jnp.bool_(False)) + leaves.flag(jnp.bool_(True))
   np.testing.assert_array_equal(leaves.keep_if(jnp.isfinite(flags), new, old)[0], old[0])
-  out = parts.outputs([None, parts.flat(1)], flags)
+  out = grads.outputs([None, grads.flat(1)], flags)
   assert np.all(np.isnan(out["w"])) and np.array_equal(out["n"], tree["n"])
 
 
@@ -72,4 +73,4 @@ def test_vary_like_types_a_replicated_value_as_this_devices_own():
 
 def test_specs_without_a_mesh_are_refused():
   with pytest.raises(ValueError, match="needs a mesh"):
-    leaves._layout({"w": jnp.ones(4)}, None, {"w": P("model")}, "loco")
+    local_blocks.find_blocks({"w": jnp.ones(4)}, None, {"w": P("model")}, "loco")

@@ -264,18 +264,49 @@ def test_state_costs_about_one_byte_per_parameter():
   assert 1.0 <= nbytes / n < 1.01, nbytes / n
 
 
+PARAMS_2 = {"w": jnp.zeros((4, 8)), "b": jnp.zeros(8)}
+
+
 @pytest.mark.parametrize("grads,match", [
-    ({"w": jnp.ones((4, 9)), "b": jnp.ones(8)}, r"needs 2 arrays of shapes \[\(32,\), \(16,\)\]"),
-    ({"w": jnp.ones((4, 8))}, r"needs 1 arrays of shapes \[\(32,\)\]"),
-    ({"w": jnp.ones((4, 8)), "b": jnp.ones(8), "c": jnp.ones(2)},
-     r"needs 2 arrays of shapes \[\(32,\), \(16,\)\]"),
+    ({"w": jnp.ones((4, 9)), "b": jnp.ones(8)}, r"leaf \['w'\] has shape \(4, 9\).* \(4, 8\)"),
+    ({"w": jnp.ones((4, 7)), "b": jnp.ones(8)}, r"leaf \['w'\] has shape \(4, 7\)"),  # smaller
+    ({"w": jnp.ones((4, 8))}, r"lacks leaf \['b'\]"),
+    ({"w": jnp.ones((4, 8)), "b": jnp.ones(8), "c": jnp.ones(2)}, r"has leaf \['c'\]"),
+    ([jnp.ones(8), jnp.ones((4, 8))], r"tree structures differ|has leaf \[0\]"),
+    ({"w": {"x": jnp.ones((4, 8))}, "b": jnp.ones(8)}, r"has leaf \['w'\]\['x'\]"),
+    ({"w": jnp.ones((4, 8), jnp.int32), "b": jnp.ones(8)}, r"leaf \['w'\] is int32"),
 ])
-def test_a_gradient_tree_that_does_not_match_the_state_says_what_it_needs(grads, match):
-  # The state holds one array per bucket: what it holds and what these gradients need.
+def test_a_gradient_tree_unlike_inits_params_is_refused_naming_the_leaf(grads, match):
+  # Every optax transformation raises here; LoCo's bucketed state alone would take a list
+  # where a dict was, or a leaf padded into the same blocks, and apply its error to it.
   opt = loco()
-  state = opt.init({"w": jnp.zeros((4, 8)), "b": jnp.zeros(8)})
+  state = opt.init(PARAMS_2)
   with pytest.raises(ValueError, match=match):
     jax.jit(opt.update)(grads, state)
+
+
+def test_float_widths_may_differ_from_inits_params():
+  # Mixed precision: float32 params, bfloat16 gradients, as every optax transformation allows.
+  opt = loco()
+  out, _ = opt.update(jax.tree.map(lambda x: jnp.ones_like(x, jnp.bfloat16), PARAMS_2),
+                      opt.init(PARAMS_2))
+  assert out["w"].dtype == jnp.bfloat16
+
+
+def test_the_check_costs_the_step_nothing():
+  # The params' structure and shapes are static metadata of the state: no array, no op.
+  opt = loco()
+  state = opt.init(PARAMS_2)
+  assert sum(x.size for x in jax.tree.leaves(state)) == sum(
+      x.size for x in jax.tree.leaves((state.count, state.error, state.error_scale)))
+  hlo = jax.jit(opt.update).lower(PARAMS_2, state).as_text()
+  assert "signature" not in hlo
+
+
+def test_a_state_of_another_loco_says_what_it_needs():
+  state = loco(block_size=16).init(PARAMS_2)
+  with pytest.raises(ValueError, match=r"state.error_scale holds 2 arrays .* needs 2 arrays"):
+    jax.jit(loco().update)(PARAMS_2, state)
 
 
 def test_a_state_of_another_kind_or_layout_is_refused():

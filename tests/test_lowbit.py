@@ -15,7 +15,7 @@ from loco_jax.core import buckets, quant
 from loco_jax.kernels import reference
 from loco_jax.train import parallel
 from loco_jax.transforms import baselines
-from loco_jax.transforms import loco as loco_module
+from loco_jax.transforms import settings as loco_settings
 
 N = 8
 
@@ -68,14 +68,14 @@ def test_baselines_and_kernel_reject_bad_scale_options(make):
 
 
 def test_defaults_by_bit_width_table():
-  assert loco_module.defaults_for(2) == dict(scale_method="rms", clip_rms=1.5, block_size=128,
+  assert loco_settings.defaults_for(2) == dict(scale_method="rms", clip_rms=1.5, block_size=128,
                                              beta=0.8, error_bits=8)
-  assert loco_module.defaults_for(3) == dict(scale_method="rms", clip_rms=3.0, block_size=256,
+  assert loco_settings.defaults_for(3) == dict(scale_method="rms", clip_rms=3.0, block_size=256,
                                              beta=0.8, error_bits=8)
   for bits in (1, 4, 5, 8):  # the paper's recipe
-    assert loco_module.defaults_for(bits) == loco_module.PAPER_DEFAULTS
+    assert loco_settings.defaults_for(bits) == loco_settings.PAPER_DEFAULTS
   # The docstring's table states the same numbers.
-  doc = " ".join(loco.__doc__.split())
+  doc = " ".join(loco_settings.__doc__.split())
   assert "2 rms 1.5 128 0.8 8" in doc and "3 rms 3.0 256 0.8 8" in doc
 
 
@@ -219,14 +219,9 @@ def test_reference_rejects_absmax_scales_where_rms_was_asked():
 PARAMS = {"w": jnp.zeros((32, 128)), "v": jnp.zeros((N * 256,))}
 
 
-@pytest.fixture(scope="module")
-def mesh():
-  return parallel.data_mesh(N)
-
-
 @pytest.mark.parametrize("bits", [2, 3])
 def test_mesh_round_trip_with_the_new_defaults(mesh, bits):
-  d = loco_module.defaults_for(bits)
+  d = loco_settings.defaults_for(bits)
   opt = loco(bits=bits, axis_name="data")
   state, specs = parallel.init_opt_state(opt, PARAMS, mesh)
   grad_specs = jax.tree.map(lambda _: P("data"), PARAMS)
@@ -264,7 +259,7 @@ def test_demo_accepts_the_width_names():
   default, _ = demo._choose_methods(None)
   assert "loco2" not in default and "loco4" in default  # the default demo is unchanged
   for m in ("loco2", "loco3"):
-    d = loco_module.defaults_for(int(m[-1]))
+    d = loco_settings.defaults_for(int(m[-1]))
     assert f"blocks of {d['block_size']}" in demo.DESCRIPTIONS[m]
     assert f"{d['clip_rms']:g} x rms" in demo.DESCRIPTIONS[m]
   with pytest.raises(demo.DemoError, match="unknown method 'loco5'"):
@@ -277,6 +272,6 @@ def test_demo_width_methods_compress_to_their_width(method, bits):
   opt = demo.make_compressor(method, axis_name=None)
   out, _ = opt.update(grads, opt.init(grads))
   # A 2- or 3-bit grid: each block of the output holds at most 2**bits distinct values.
-  block = loco_module.defaults_for(bits)["block_size"] if method.startswith("loco") else 2048
+  block = loco_settings.defaults_for(bits)["block_size"] if method.startswith("loco") else 2048
   for w in np.asarray(out["w"]).reshape(-1, block):
     assert 1 < len(np.unique(w)) <= 2 ** bits and np.isfinite(w).all()

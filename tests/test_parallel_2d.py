@@ -15,7 +15,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from loco_jax import comm, loco, two_hop
-from loco_jax.core import buckets
+from loco_jax.core import buckets, layout
 from loco_jax.train import parallel, sharding
 from loco_jax.transforms import baselines
 
@@ -183,7 +183,7 @@ def test_zero2_on_a_data_model_mesh():
   # Master shards and adam's moments: split over 'data' and, for a model-split leaf, 'model'.
   assert _specs_of(state.params)["w1"] == P(("data", "model"))
   assert _specs_of(state.opt_state[0].nu)["b2"] == P("data")
-  assert state.params["w1"].size == DATA * MODEL * comm.shard_len(16 * 32, DATA)
+  assert state.params["w1"].size == DATA * MODEL * layout.shard_len(16 * 32, DATA)
   full = parallel.unshard_params(state.params, _placed(mesh))
   full_1d = parallel.unshard_params(state_1d.params, _raw_params())
   for name, spec in SPECS.items():

@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 import loco_jax
 from loco_jax import comm
-from loco_jax.core import leaves
+from loco_jax.core import local_blocks
 from loco_jax.transforms import baselines
 
 DATA, MODEL = 4, 2
@@ -67,7 +67,7 @@ def _data_parallel_step(opt, mesh, params, x, y, specs=None):
 
 
 def _with_specs(fn, *args):
-  with leaves.leaf_specs(SPECS):
+  with local_blocks.leaf_specs(SPECS):
     return fn(*args)
 
 
@@ -205,7 +205,7 @@ def _traced_step(opt):
 
 
 def test_auto_axes_without_specs_warn_once_naming_the_ways_out():
-  leaves._WARNED.clear()
+  local_blocks._WARNED.clear()
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     _traced_step(loco_jax.loco(axis_name="data", block_size=256))

@@ -17,11 +17,6 @@ from loco_jax.train import parallel
 N = 8
 
 
-@pytest.fixture(scope="module")
-def mesh():
-  return parallel.data_mesh(N)
-
-
 def _on_devices(mesh, x):
   return jax.device_put(x, NamedSharding(mesh, P("data")))
 

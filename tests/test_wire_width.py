@@ -10,15 +10,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from loco_jax import comm, loco
+from loco_jax.core import layout
 from loco_jax.train import parallel
 from loco_jax.transforms import baselines
 
 N = 8
-
-
-@pytest.fixture(scope="module")
-def mesh():
-  return parallel.data_mesh(N)
 
 
 def _on_devices(mesh, x_NxK):
@@ -100,7 +96,7 @@ def test_compiled_steps_send_nominal_widths(mesh, name, make, most_bits):
 
 def test_zero2_param_gather_in_bf16_crosses_at_16_bits(mesh):
   like = {"w": jax.ShapeDtypeStruct((1024,), jnp.float32)}
-  shard_len = comm.shard_len(1024, N)
+  shard_len = layout.shard_len(1024, N)
   gather = jax.jit(jax.shard_map(
       lambda s: parallel._gather_params({"w": s}, like, "data", jnp.bfloat16, "compute", 2048),
       mesh=mesh, in_specs=P("data"), out_specs=P()))

@@ -19,6 +19,7 @@ import numpy as np
 import optax
 
 from loco_jax import comm, kernels, loco
+from loco_jax.core import layout
 
 # Bytes an element that each step has to move (read + write), the basis of "bandwidth".
 
@@ -257,7 +258,7 @@ def _step_candidates(n: int, backend: str, sweep: bool,
   cands.append(jnp_step)
   compiled["compress_step_jnp"] = _compiled_facts(jnp_step.step, g, jnp_step.state)
   peers = 8
-  shard = comm.leaf_layout(n // peers, 1, block)
+  shard = layout.leaf_layout(n // peers, 1, block)
   received = jnp.zeros((peers, shard.row_len // 2), jnp.uint8)
   peer_scales = jnp.ones((peers, shard.blocks), jnp.float32)
   mean = jax.jit(functools.partial(kernels.dequantize_mean, implementation="auto"))

@@ -3,6 +3,7 @@
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.tree_util import keystr, tree_flatten_with_path
 
 
@@ -59,3 +60,83 @@ def check_same_shapes(tree: Any, like: Any, what: str, like_what: str, hint: str
     if _shape(leaf) != _shape(wanted[path]):
       raise ValueError(f"{what} does not match {like_what}: leaf {path} has shape "
                        f"{_shape(leaf)}, {like_what} has {_shape(wanted[path])}.{hint}")
+
+
+@jax.tree_util.register_pytree_node_class
+class TreeSignature:
+  """A tree's structure, leaf shapes and which leaves are floats, kept as static pytree
+  metadata: a state field that holds no array, costs nothing under jit, and lets a
+  transformation whose state does not mirror the params (LoCo's buckets) check each gradient
+  tree against the params it was initialised with.
+
+  Example:
+    >>> sig = TreeSignature.of({"w": jnp.ones((2, 3))})
+    >>> sig.check({"w": jnp.ones((3, 2))}, "loco")
+    Traceback (most recent call last):
+    ...
+    ValueError: loco: gradient leaf ['w'] has shape (3, 2), but the params the state was \
+initialised with have (2, 3) there. The gradient tree must have the structure and leaf shapes \
+of the params given to init.
+  """
+
+  def __init__(self, treedef: Any, shapes: tuple, floats: tuple):
+    self.treedef, self.shapes, self.floats = treedef, shapes, floats
+
+  @classmethod
+  def of(cls, tree: Any) -> "TreeSignature":
+    leaves, treedef = jax.tree.flatten(tree)
+    return cls(treedef, tuple(_shape(x) for x in leaves), tuple(_is_float(x) for x in leaves))
+
+  def tree_flatten(self):
+    return (), (self.treedef, self.shapes, self.floats)
+
+  @classmethod
+  def tree_unflatten(cls, aux, children):
+    del children
+    return cls(*aux)
+
+  def __eq__(self, other) -> bool:
+    return isinstance(other, TreeSignature) and self.tree_flatten() == other.tree_flatten()
+
+  def __hash__(self) -> int:
+    return hash(self.tree_flatten()[1])
+
+  def __repr__(self) -> str:
+    return f"TreeSignature({self.treedef.num_leaves} leaves)"
+
+  def check(self, tree: Any, who: str) -> None:
+    """ValueError naming the first leaf where `tree` differs from the signed tree: structure,
+    shape, or a float leaf where there was none (or the reverse); float widths may differ.
+
+    As in `jax.tree.map(f, tree, signed)`, which optax's transformations run, `tree` may stop
+    where the signed tree wraps a leaf in a node of its own (flax's `nnx.Param`)."""
+    hint = (" The gradient tree must have the structure and leaf shapes of the params given "
+            "to init.")
+    like = self.treedef.unflatten(list(range(self.treedef.num_leaves)))
+    what, like_what = f"{who}: the gradient tree", "the params the state was initialised with"
+    try:
+      subtrees = jax.tree.structure(tree).flatten_up_to(like)
+    except (ValueError, TypeError):
+      subtrees = None
+    if subtrees is None or any(len(jax.tree.leaves(t)) != 1 for t in subtrees):
+      check_same_structure(tree, like, what, like_what, hint)
+      raise ValueError(f"{what} does not match {like_what}: the tree structures differ "
+                       f"({jax.tree.structure(tree)} vs {self.treedef}).{hint}")
+    for (path, x), index in zip(tree_flatten_with_path(tree)[0],
+                                [jax.tree.leaves(t)[0] for t in subtrees]):
+      shape, was_float = self.shapes[index], self.floats[index]
+      if _shape(x) != shape:
+        raise ValueError(f"{who}: gradient leaf {keystr(path)} has shape {_shape(x)}, but the "
+                         f"params the state was initialised with have {shape} there.{hint}")
+      if _is_float(x) != was_float:
+        raise ValueError(f"{who}: gradient leaf {keystr(path)} is {_dtype(x)}, but the params "
+                         f"the state was initialised with have a "
+                         f"{'float' if was_float else 'non-float'} leaf there.{hint}")
+
+
+def _dtype(x):
+  return getattr(x, "dtype", type(x).__name__)
+
+
+def _is_float(x) -> bool:
+  return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)

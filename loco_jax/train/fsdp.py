@@ -3,7 +3,7 @@
 The model is a `LayeredModel`: `embed`, one `block` applied to a stack of identical layers
 (their params stacked on a leading layer axis), and `head`, which returns the loss. Master
 params and the optimizer state live on per-device float32 shards (as in ZeRO-2: each leaf,
-and each layer of a stacked leaf, flattened and split into `comm.shard_len` pieces). A step:
+and each layer of a stacked leaf, flattened and split into `layout.shard_len` pieces). A step:
 
   forward   gather embed's params, run embed; scan over layers: gather layer l's params in
             the compute dtype (or int8 with block scales), run the block, keep only its input
@@ -32,7 +32,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from loco_jax import comm
-from loco_jax.core import trees
+from loco_jax.core import layout, trees
 from loco_jax.train import masks
 
 
@@ -138,7 +138,7 @@ def _layer_size(x) -> int:
 def local_shard_shapes(params: Layered, num_shards: int) -> Layered:
   """Shapes of one device's float32 master shards: [shard_len] a leaf, [layers, shard_len] a
   stacked leaf."""
-  flat = lambda size: comm.shard_len(size, num_shards)
+  flat = lambda size: layout.shard_len(size, num_shards)
   return Layered(
       jax.tree.map(lambda x: jax.ShapeDtypeStruct((flat(x.size),), jnp.float32), params.embed),
       jax.tree.map(lambda x: jax.ShapeDtypeStruct((x.shape[0], flat(_layer_size(x))),
@@ -161,8 +161,8 @@ def shard_params(params: Layered, mesh: Mesh, axis_name: str = "data") -> Layere
   n = mesh.shape[axis_name]
 
   def shard_stack(x):
-    layout = comm.leaf_layout(_layer_size(x), n, None)
-    rows = jax.vmap(lambda f: comm.shard_rows(f, layout).reshape(-1))(
+    layout = layout.leaf_layout(_layer_size(x), n, None)
+    rows = jax.vmap(lambda f: layout.shard_rows(f, layout).reshape(-1))(
         jnp.reshape(x, (x.shape[0], -1)).astype(jnp.float32))
     return jax.device_put(rows, NamedSharding(mesh, P(None, axis_name)))
   return Layered(parallel.shard_params(params.embed, mesh, axis_name),

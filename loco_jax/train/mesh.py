@@ -19,7 +19,7 @@ def data_mesh(num_devices: int | None = None, axis_name: str = "data") -> Mesh:
 
 
 def node_mesh(nodes: int, local: int, axis_names: tuple[str, str] = ("node", "local")) -> Mesh:
-  """A 2-D (node, local) mesh of nodes * local devices, for `hierarchical.two_hop`."""
+  """A 2-D (node, local) mesh of nodes * local devices, for `transforms.two_hop`."""
   if nodes < 1 or local < 1 or nodes * local > jax.device_count():
     raise ValueError(f"nodes * local must be in 1..{jax.device_count()} (devices present), "
                      f"got {nodes} x {local}")

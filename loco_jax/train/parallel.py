@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from loco_jax import comm
 from loco_jax.comm import wire
-from loco_jax.core import quant, trees
+from loco_jax.core import layout, quant, trees
 from loco_jax.train import masks, sharding
 from loco_jax.train.mesh import (AxisNames, axes_size, data_axes, data_mesh, initialize,
                                  node_mesh)
@@ -61,7 +61,7 @@ def _shapes_of(params):
 
 def _local_shard_shapes(params, num_shards):
   return jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct((comm.shard_len(x.size, num_shards),), jnp.float32), params)
+      lambda x: jax.ShapeDtypeStruct((layout.shard_len(x.size, num_shards),), jnp.float32), params)
 
 
 class _Axes(NamedTuple):
@@ -199,7 +199,7 @@ def reduce_scatter(axis_name: AxisNames = "data") -> optax.GradientTransformatio
     del params
     n = comm.axis_size(axis_name, "reduce_scatter")
     def shard(g):
-      rows = comm.shard_rows(g.reshape(-1).astype(jnp.float32), comm.leaf_layout(g.size, n, None))
+      rows = layout.shard_rows(g.reshape(-1).astype(jnp.float32), layout.leaf_layout(g.size, n, None))
       return wire.reduce_scatter(rows, axis_name).reshape(-1) / n
     return jax.tree.map(shard, updates), state
   return optax.GradientTransformation(lambda _: optax.EmptyState(), update_fn)
@@ -210,19 +210,19 @@ def _gather_params(shards, like, axis_name: str, compute_dtype, how: str, block_
   leaves, treedef = jax.tree.flatten(like)
   local = treedef.flatten_up_to(shards)
   n = comm.axis_size(axis_name, "train step")
-  layouts = [comm.leaf_layout(x.size, n, block_size) for x in leaves]
+  layouts = [layout.leaf_layout(x.size, n, block_size) for x in leaves]
   if how == "int8":
     payloads = []
     for s, lay in zip(local, layouts):
-      rows = comm.to_rows(s, comm.LeafLayout(lay.row_len, 1, lay.row_len, lay.blocks,
+      rows = layout.to_rows(s, layout.LeafLayout(lay.row_len, 1, lay.row_len, lay.blocks,
                                              lay.block_len))
       scales = quant.absmax_scale(rows, 8)
-      payloads.append(comm.Payload(quant.compress(rows, scales[..., None], 8), scales))
+      payloads.append(layout.Payload(quant.compress(rows, scales[..., None], 8), scales))
     full, _ = comm.gather_packed(payloads, layouts, 8, None, jnp.zeros((), jnp.float32),
                                  axis_name)
   else:
     # comm.all_gather: a bf16 compute dtype crosses at 16 bits (XLA:CPU would send 32).
-    full = [comm.from_rows(comm.all_gather(s.astype(compute_dtype), axis_name), lay)
+    full = [layout.from_rows(comm.all_gather(s.astype(compute_dtype), axis_name), lay)
             for s, lay in zip(local, layouts)]
   return treedef.unflatten([f.reshape(x.shape).astype(compute_dtype)
                             for f, x in zip(full, leaves)])

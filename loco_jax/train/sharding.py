@@ -15,7 +15,9 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from loco_jax import comm, state_specs
+from loco_jax import comm
+from loco_jax.transforms.specs import state_specs
+from loco_jax.core import layout, local_blocks
 from loco_jax.core import leaves as leaves_lib
 from loco_jax.train import mesh as mesh_lib
 
@@ -103,7 +105,7 @@ def _per_device_shapes(init: Callable, params: Any, mesh: Mesh, data: tuple[str,
   if specs is None or not model:
     stacked = jax.eval_shape(per_device, params)
   else:
-    stacked = leaves_lib.shapes_inside(per_device, mesh, (restrict(specs, model),), model,
+    stacked = local_blocks.shapes_inside(per_device, mesh, (restrict(specs, model),), model,
                                        params)
   shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[len(data):], x.dtype), stacked)
   return shapes, state_specs(stacked, _entry(data))
@@ -246,7 +248,7 @@ def shard_params(params, mesh: Mesh, axis_name: str | tuple[str, ...] = "data"):
   specs = param_specs(params, mesh, data)
 
   def shard(x):  # this device's model block -> its row over the data axes
-    rows = comm.shard_rows(jnp.ravel(x).astype(jnp.float32), comm.leaf_layout(x.size, n, None))
+    rows = layout.shard_rows(jnp.ravel(x).astype(jnp.float32), layout.leaf_layout(x.size, n, None))
     return rows[jax.lax.axis_index(data)]
   placed = jax.device_put(params, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
   return jax.jit(jax.shard_map(lambda p: jax.tree.map(shard, p), mesh=mesh, in_specs=(specs,),

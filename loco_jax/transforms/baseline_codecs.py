@@ -7,11 +7,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from loco_jax import comm
 from loco_jax.comm import exchange
-from loco_jax.comm import AxisName, Payload
-from loco_jax.core import quant
-from loco_jax.core.feedback import dequantize_blocks, quantize_blocks
+from loco_jax.core import layout, quant
+from loco_jax.core.layout import AxisName, Payload
+from loco_jax.kernels.feedback import dequantize_blocks, quantize_blocks
 
 
 class Codec(NamedTuple):
@@ -27,14 +26,14 @@ def block_codec(bits: int, block_size: int, scale_method: str = "absmax",
   """Block quantization to `bits` (absmax or clipped-rms scales, `quant.block_scale`); LoCo's
   all-to-all of packed codes, then a bf16 gather."""
   def encode(h, rows):
-    layout = comm.leaf_layout(h.size, rows, block_size)
-    payload = quantize_blocks(h, layout, bits, None, scale_method, clip_rms)
-    return (payload, layout), dequantize_blocks(payload, layout, None)
+    wire = layout.leaf_layout(h.size, rows, block_size)
+    payload = quantize_blocks(h, wire, bits, None, scale_method, clip_rms)
+    return (payload, wire), dequantize_blocks(payload, wire, None)
 
   def average(messages, flag, axis_name):
     payloads, layouts = zip(*messages)
-    shards, flags = comm.all_to_all_mean(payloads, bits, None, flag, axis_name)
-    return comm.gather_bf16([quant.saturate(s, jnp.bfloat16) for s in shards], layouts, flags,
+    shards, flags = exchange.all_to_all_mean(payloads, bits, None, flag, axis_name)
+    return exchange.gather_bf16([quant.saturate(s, jnp.bfloat16) for s in shards], layouts, flags,
                             axis_name)
 
   return Codec(encode, average)
@@ -48,20 +47,20 @@ def sign_values(p: Payload) -> jax.Array:
 def sign_codec(block_size: int) -> Codec:
   """scale * sign(h) with scale = mean |h| per block (float32): one bit per element on the wire."""
   def encode(h, rows):
-    layout = comm.leaf_layout(h.size, rows, block_size)
-    h_RxBxL = comm.to_rows(h, layout)
-    real_RxB = comm.to_rows(jnp.ones_like(h), layout).sum(-1)   # padding excluded from the mean
+    wire = layout.leaf_layout(h.size, rows, block_size)
+    h_RxBxL = layout.to_rows(h, wire)
+    real_RxB = layout.to_rows(jnp.ones_like(h), wire).sum(-1)   # padding excluded from the mean
     # sum |h| 2**-k / (real 2**-k): the sum cannot overflow, and it is sum |h| / real exactly.
-    down = quant.mean_factors(layout.block_len)[0]
+    down = quant.mean_factors(wire.block_len)[0]
     scales_RxB = quant.saturate(
         (jnp.abs(h_RxBxL) * down).sum(-1) / (jnp.maximum(real_RxB, 1.0) * down))
     payload = Payload(jnp.where(h_RxBxL < 0, -1, 0).astype(jnp.int8), scales_RxB)
-    return (payload, layout), comm.from_rows(sign_values(payload), layout)
+    return (payload, wire), layout.from_rows(sign_values(payload), wire)
 
   def average(messages, flag, axis_name):
-    # comm.all_to_all_mean's path, with the sign decoding in place of codes / scale.
+    # exchange.all_to_all_mean's path, with the sign decoding in place of codes / scale.
     payloads, layouts = zip(*messages)
-    buffer, offsets = comm.encode_rows(payloads, 1, flag)
+    buffer, offsets = exchange.encode_rows(payloads, 1, flag)
     received_NxB = jax.lax.all_to_all(buffer, axis_name, 0, 0, tiled=True)
     n = received_NxB.shape[0]
     field = lambda j: received_NxB[:, offsets[j][0]:offsets[j][1]]
@@ -71,7 +70,7 @@ def sign_codec(block_size: int) -> Codec:
       scales = exchange._from_bytes(field(2 * j + 1), jnp.float32, (n, p.scales.shape[1]))
       shards.append(quant.mean_over_peers(sign_values(Payload(codes, scales))))
     flags = exchange._from_bytes(field(len(offsets) - 1), jnp.float32, (n,))
-    return comm.gather_bf16([quant.saturate(s, jnp.bfloat16) for s in shards], layouts,
+    return exchange.gather_bf16([quant.saturate(s, jnp.bfloat16) for s in shards], layouts,
                             flags.sum(), axis_name)
 
   return Codec(encode, average)
@@ -121,7 +120,7 @@ def topk_codec(fraction: float) -> Codec:
 
 def encode_all(codec: Codec, hs: list[jax.Array], axis_name: AxisName | None,
             who: str) -> tuple[list, list[jax.Array]]:
-  rows = 1 if axis_name is None else comm.axis_size(axis_name, who)
+  rows = 1 if axis_name is None else exchange.axis_size(axis_name, who)
   messages, decoded = zip(*[codec.encode(h, rows) for h in hs])
   return list(messages), list(decoded)
 

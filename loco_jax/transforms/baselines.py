@@ -16,13 +16,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from loco_jax import comm
-from loco_jax.comm import AxisName
-from loco_jax.core import leaves, quant, trees
+from loco_jax.comm import exchange
+from loco_jax.core import args, leaves, local_blocks, quant, trees
+from loco_jax.core.layout import AxisName
 from loco_jax.transforms import baseline_codecs
 from loco_jax.transforms.loco import loco
-
-_HINT = " (under optax.inject_hyperparams pass it in static_args)"
 
 
 class ErrorFeedbackState(NamedTuple):
@@ -42,34 +40,13 @@ class EF21State(NamedTuple):
 
 # --- Argument checks ----------------------------------------------------------------------------
 
-def _check_bits(bits: int) -> None:
-  try:
-    quant.check_bits(bits)
-  except ValueError as e:
-    raise ValueError(str(e) + _HINT) from None
-
-
-def _check_scale_method(scale_method: str, clip_rms) -> None:
-  try:
-    quant.check_scale_method(scale_method, clip_rms)
-  except ValueError as e:
-    raise ValueError(str(e) + _HINT) from None
-
-
-def _check_block_size(block_size: int) -> None:
-  if (isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer))
-      or block_size <= 0):
-    raise ValueError(f"block_size must be a positive int, got {block_size!r}{_HINT}")
-
-
 def _check_fraction(fraction: float) -> None:
   try:
     value = float(fraction)
   except (TypeError, ValueError):
     raise ValueError(f"fraction must be a Python float in (0, 1] (it fixes how many values are "
-                     f"sent, a shape), got {fraction!r}{_HINT}") from None
-  if not 0.0 < value <= 1.0:
-    raise ValueError(f"fraction must be in (0, 1], got {fraction!r}")
+                     f"sent, a shape), got {fraction!r}{args.STATIC_HINT}") from None
+  args.check_fraction(value, "fraction", 0.0, 1.0, closed_low=False)
 
 
 # --- One update's leaves ------------------------------------------------------------------------
@@ -79,21 +56,20 @@ def _flat_zeros(params: Any) -> Any:
       lambda x: jnp.zeros((x.size if leaves.compressible(x) else 0,), jnp.float32), params)
 
 
-def _by_group(parts: leaves.Leaves, exchange, fields: list[list]) -> tuple[list, list, jax.Array]:
-  """Runs `exchange(indices, grads, flag, fields)` -> (values, new fields, flags) on each group
-  of leaves (one group unless some are sharded over a model axis and others not); returns the
-  values and new fields per leaf and the flags every shard agrees on."""
-  values, new, flags = [None] * len(parts.leaves), [list(f) for f in fields], jnp.float32(0)
-  for group in parts.groups:
-    group_values, group_new, group_flags = exchange(
-        group, [parts.flat(i) for i in group], leaves.flag(parts.finite(group)),
-        [[f[i] for i in group] for f in fields])
-    for j, i in enumerate(group):
-      values[i] = group_values[j]
-      for f, g in zip(new, group_new):
-        f[i] = g[j]
-    flags = flags + group_flags
-  return values, new, parts.agree(flags)
+def _feedback_finish(grads: leaves.Leaves, exchange_group, fields: list) -> tuple[Any, list]:
+  """Runs `exchange_group(grads, flag, fields)` -> (values, new fields, flags) on each group of
+  leaves (the group's flat gradients and fields); returns the update and the fields per leaf,
+  the old ones wherever some gradient was not finite."""
+  old = [grads.per_leaf(f) for f in fields]
+
+  def step(group: leaves.Group) -> leaves.GroupResult:
+    values, new, flags = exchange_group(
+        [grads.flat(i) for i in group.indices], leaves.flag(grads.finite(group.indices)),
+        [[f[i] for i in group.indices] for f in old])
+    return leaves.GroupResult(lambda: values, flags, new)
+  mapped = grads.map_groups(step)
+  done = grads.finish(mapped, grads.by_leaf(mapped.states, old), old)
+  return done.update, done.state
 
 
 # --- The transformations ------------------------------------------------------------------------
@@ -109,19 +85,19 @@ def _all_reduce(wire_dtype, axis_name: AxisName | None,
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
     grads, treedef = jax.tree.flatten(updates)
-    chosen = [i for i, g in enumerate(grads) if leaves.compressible(g)]
-    wire = [_saturating_cast_keeping_inf(grads[i], wire_dtype) for i in chosen]
+    sent = [i for i, g in enumerate(grads) if leaves.compressible(g)]
+    wire = [_saturating_cast_keeping_inf(grads[i], wire_dtype) for i in sent]
     if axis_name is not None and wire:
       # The sum inside a mean overflows for finite gradients near the maximum; the mean of
       # x / 2**k (2**k >= n) cannot, and times 2**k it is the same number (powers of two: exact).
-      down = quant.mean_factors(comm.axis_size(axis_name, who))[0]
+      down = quant.mean_factors(exchange.axis_size(axis_name, who))[0]
       wire = [x * jnp.asarray(down, x.dtype) for x in wire]
-      # 16-bit floats: a mean that crosses at 16 bits on every backend (comm.mean_16bit).
-      wire = (comm.mean_16bit(wire, axis_name) if wire[0].dtype == jnp.bfloat16
+      # 16-bit floats: a mean that crosses at 16 bits on every backend (exchange.mean_16bit).
+      wire = (exchange.mean_16bit(wire, axis_name) if wire[0].dtype == jnp.bfloat16
               else jax.lax.pmean(wire, axis_name))
       wire = [x * jnp.asarray(1 / down, x.dtype) for x in wire]
     out = list(grads)
-    for i, x in zip(chosen, wire):
+    for i, x in zip(sent, wire):
       out[i] = _saturating_cast_keeping_inf(x, grads[i].dtype)
     return treedef.unflatten(out), state
 
@@ -151,7 +127,7 @@ def bf16(axis_name: AxisName | None = None) -> optax.GradientTransformationExtra
   Without an axis it rounds every float gradient to bfloat16 (PyTorch DDP's bf16 hook). With
   one, a bf16 all-reduce where the backend moves bf16 as is (GPU, TPU); on CPU, whose
   collectives would widen it to 32 bits, the same 16 bits a value as uint16 all-to-all, float32
-  sum and uint16 all-gather (`comm.mean_16bit`; the HLO accounting shows which ran). Finite
+  sum and uint16 all-gather (`exchange.mean_16bit`; the HLO accounting shows which ran). Finite
   gradients beyond bfloat16's range (or means beyond a float16 leaf's) saturate at the largest
   finite value instead of becoming inf, and the mean is that of g / 2**k, times 2**k (no
   overflow); non-finite gradients stay non-finite.
@@ -185,9 +161,9 @@ def int_quantized(bits: int = 4, block_size: int = 2048,
     >>> state = opt.init(params)
     >>> updates, state = opt.update(grads, state, params)
   """
-  _check_bits(bits)
-  _check_block_size(block_size)
-  _check_scale_method(scale_method, clip_rms)
+  args.check_bits(bits)
+  args.check_int(block_size, "block_size", 1)
+  args.check_scale_method(scale_method, clip_rms)
   # loco with beta = 1 and an error that starts at 0 every step: the same blocks (buckets), the
   # same kernels and wire, and no state to keep.
   inner = loco(bits, beta=1.0, error_bits=8, block_size=block_size, axis_name=axis_name,
@@ -208,12 +184,12 @@ def _feedback(codec: baseline_codecs.Codec, axis_name: AxisName | None, who: str
   def init_fn(params):
     return ErrorFeedbackState(_flat_zeros(params))
 
-  def exchange(group, grads, flag, fields):
+  def exchange_group(grads, flag, fields):
     errors, = fields
     hs = [quant.saturate(g + e) for g, e in zip(grads, errors)]  # finite, never inf
     messages, decoded = baseline_codecs.encode_all(codec, hs, axis_name, who)
     means, flags = baseline_codecs.average_all(codec, messages, decoded, flag, axis_name)
-    classic = not isinstance(beta, jax.core.Tracer) and beta == 0  # traced: inject_hyperparams
+    classic = args.is_concrete(beta) and beta == 0  # traced: inject_hyperparams
     new_errors = [h - d if classic  # h and d share their sign: no overflow
                   else quant.saturate(beta * e + (1.0 - beta) * (h - d))
                   for h, d, e in zip(hs, decoded, errors)]
@@ -221,17 +197,15 @@ def _feedback(codec: baseline_codecs.Codec, axis_name: AxisName | None, who: str
 
   def update_fn(updates, state):
     trees.check_state_matches(who, updates, state, init_fn(updates))
-    parts = leaves.split(updates, axis_name)
-    if not parts.chosen:
+    grads = leaves.split(updates, axis_name)
+    if not grads.sent:
       return updates, state
-    errors = parts.per_leaf(state.error)
-    means, (new_errors,), flags = _by_group(parts, exchange, [errors])
-    new_errors = leaves.keep_if(jnp.isfinite(flags), new_errors, errors)
-    return parts.outputs(means, flags), ErrorFeedbackState(parts.tree(new_errors))
+    update, (errors,) = _feedback_finish(grads, exchange_group, [state.error])
+    return update, ErrorFeedbackState(grads.tree(errors))
 
   return optax.GradientTransformationExtraArgs(
-      leaves.local_init(init_fn, axis_name, specs, who),
-      leaves.local_update(update_fn, axis_name, specs, who=who))
+      local_blocks.local_init(init_fn, axis_name, specs, who),
+      local_blocks.local_update(update_fn, axis_name, specs, name=who))
 
 
 def error_feedback(bits: int = 4, block_size: int = 2048,
@@ -257,10 +231,10 @@ def error_feedback(bits: int = 4, block_size: int = 2048,
     >>> state = opt.init(params)
     >>> updates, state = opt.update(grads, state, params)
   """
-  _check_bits(bits)
-  _check_block_size(block_size)
-  _check_scale_method(scale_method, clip_rms)
-  if not (isinstance(beta, jax.core.Tracer) or 0.0 <= float(beta) < 1.0):
+  args.check_bits(bits)
+  args.check_int(block_size, "block_size", 1)
+  args.check_scale_method(scale_method, clip_rms)
+  if args.is_concrete(beta) and not 0.0 <= float(beta) < 1.0:
     raise ValueError(f"beta must be in [0, 1) (0 is classic error feedback), got {beta}")
   return _feedback(baseline_codecs.block_codec(bits, block_size, scale_method, clip_rms),
                    axis_name, "error_feedback", beta=beta, specs=specs)
@@ -283,7 +257,7 @@ def sign_ef(block_size: int = 2048,
     >>> state = opt.init(params)
     >>> updates, state = opt.update(grads, state, params)
   """
-  _check_block_size(block_size)
+  args.check_int(block_size, "block_size", 1)
   return _feedback(baseline_codecs.sign_codec(block_size), axis_name, "sign_ef", specs=specs)
 
 
@@ -329,34 +303,31 @@ def ef21(bits: int = 4, block_size: int = 2048,
     >>> state = opt.init(params)
     >>> updates, state = opt.update(grads, state, params)
   """
-  _check_bits(bits)
-  _check_block_size(block_size)
+  args.check_bits(bits)
+  args.check_int(block_size, "block_size", 1)
   codec = baseline_codecs.block_codec(bits, block_size)
 
   def init_fn(params):
     return EF21State(_flat_zeros(params), _flat_zeros(params))
 
-  def exchange(group, grads, flag, fields):
+  def exchange_group(grads, flag, fields):
     local, estimate = fields
     hs = [quant.saturate(g - l) for g, l in zip(grads, local)]
     messages, decoded = baseline_codecs.encode_all(codec, hs, axis_name, "ef21")
     means, flags = baseline_codecs.average_all(codec, messages, decoded, flag, axis_name)
-    return ([quant.saturate(e + c_mean) for e, c_mean in zip(estimate, means)],
-            [[quant.saturate(l + c) for l, c in zip(local, decoded)],
-             [quant.saturate(e + c_mean) for e, c_mean in zip(estimate, means)]], flags)
+    new_estimate = [quant.saturate(e + c_mean) for e, c_mean in zip(estimate, means)]
+    return (new_estimate,
+            [[quant.saturate(l + c) for l, c in zip(local, decoded)], new_estimate], flags)
 
   def update_fn(updates, state):
     trees.check_state_matches("ef21", updates, state, init_fn(updates))
-    parts = leaves.split(updates, axis_name)
-    if not parts.chosen:
+    grads = leaves.split(updates, axis_name)
+    if not grads.sent:
       return updates, state
-    old = [parts.per_leaf(state.local), parts.per_leaf(state.estimate)]
-    _, new, flags = _by_group(parts, exchange, old)
-    new_local, new_estimate = leaves.keep_if(jnp.isfinite(flags), new, old)
-    out = parts.outputs([new_estimate[i] if i in parts.chosen else None
-                         for i in range(len(parts.leaves))], flags)
-    return out, EF21State(parts.tree(new_local), parts.tree(new_estimate))
+    update, (local, estimate) = _feedback_finish(grads, exchange_group,
+                                                 [state.local, state.estimate])
+    return update, EF21State(grads.tree(local), grads.tree(estimate))
 
   return optax.GradientTransformationExtraArgs(
-      leaves.local_init(init_fn, axis_name, specs, "ef21"),
-      leaves.local_update(update_fn, axis_name, specs, who="ef21"))
+      local_blocks.local_init(init_fn, axis_name, specs, "ef21"),
+      local_blocks.local_update(update_fn, axis_name, specs, name="ef21"))

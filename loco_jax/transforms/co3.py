@@ -10,8 +10,8 @@ import numpy as np
 import optax
 
 from loco_jax.codecs import fp, gennorm, huffman
-from loco_jax.comm import AxisName
-from loco_jax.core import leaves, quant
+from loco_jax.core.layout import AxisName
+from loco_jax.core import leaves, local_blocks, quant
 # The host side; `_code` and `_decode_all` are also read by the tests from here.
 from loco_jax.transforms.co3_host import (DECODED_KEPT, _code, _decode_all, _host,  # noqa: F401
                                           _roundtrip)
@@ -235,12 +235,12 @@ def co3(
   def update_body(updates, state):
     _flatten_matching(updates, state)  # ValueError naming a leaf the state does not fit
     parts = leaves.split(updates, axis_name)
-    if not parts.chosen:
+    if not parts.sent:
       return updates, state
     errors, scales = parts.per_leaf(state.error), parts.per_leaf(state.scale)
     values, new_errors, new_scales = [None] * len(parts.leaves), list(errors), list(scales)
     flags, nbytes, symbols_sent, overflowed = jnp.float32(0), jnp.float32(0), 0, 0.0
-    for group in parts.groups:
+    for group in [g.indices for g in parts.groups]:
       compensated, group_scales, symbols = convert(
           state.count, [parts.flat(i) for i in group], [errors[i] for i in group],
           [scales[i] for i in group])
@@ -272,8 +272,8 @@ def co3(
         overflows=state.overflows + (jnp.asarray(overflowed) > 0).astype(jnp.int32))
 
   return optax.GradientTransformationExtraArgs(
-      leaves.local_init(init_fn, axis_name, specs, "co3"),
-      leaves.local_update(update_body, axis_name, specs, who="co3"))
+      local_blocks.local_init(init_fn, axis_name, specs, "co3"),
+      local_blocks.local_update(update_body, axis_name, specs, name="co3"))
 
 
 def _flatten_matching(updates, state: Co3State):

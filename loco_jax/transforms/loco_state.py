@@ -5,17 +5,26 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from loco_jax.core import buckets, leaves
+from loco_jax.core import buckets, leaves, trees
+
+
+class GroupState(NamedTuple):
+  """One group's LoCo state: one array per bucket of the group's plan (None: not in this
+  mode)."""
+  error: tuple           # int8 [rows * blocks * len]: this device's averaged compression error
+  error_scale: Any       # float32 [rows * blocks] (None with a fixed `error_scale`)
+  gather_error: Any      # int8 [blocks * len]: the averaged shard's error (gather="quantized")
+  gather_scale: Any      # float32 [blocks] (gather="quantized" with block scales)
 
 
 class LocoState(NamedTuple):
   """LoCo's state, one array per bucket (`buckets.plan`, laid out from the params' shapes), so
   that a step neither gathers the state into buckets nor slices it back per leaf; see
-  `error_by_leaf` for it per leaf. Every field but `count` differs per device: declare it with
-  `state_specs`.
+  `error_by_leaf` for it per leaf. Every field but `count` and `signature` differs per device:
+  declare it with `state_specs`.
 
-  Each other field is a dict {group: a tuple of arrays, one per bucket}. The group is the key
-  of the leaves that are split over the same mesh axes besides the averaged ones
+  Each per-device field is a dict {group: the `GroupState` field of that group}. The group is
+  the key of the leaves that are split over the same mesh axes besides the averaged ones
   (`leaves.group_key`: those axes joined by commas): "" for every leaf unless a model axis
   splits some; those of "model" differ per model shard, the others do not.
   """
@@ -25,9 +34,26 @@ class LocoState(NamedTuple):
   error_scale: Any   # float32 [rows * blocks] per bucket (None with a fixed `error_scale`)
   gather_error: Any  # int8 [blocks * len] per bucket: the shard's error (gather="quantized")
   gather_scale: Any  # float32 [blocks] per bucket (gather="quantized" with block scales)
+  signature: Any     # trees.TreeSignature of the params: their structure and shapes, no array
 
   PER_DEVICE = ("error", "error_scale", "gather_error", "gather_scale")
-  BY_BUCKET = PER_DEVICE  # per group and bucket, not trees like the params (leaves._state_specs)
+  BY_BUCKET = PER_DEVICE  # per group and bucket, not trees like the params (local_blocks)
+
+  def group(self, key: str) -> GroupState:
+    """One group's state."""
+    return GroupState(*[None if f is None else f[key] for f in self[1:5]])
+
+  def groups(self) -> dict:
+    """{group key: GroupState}."""
+    return {key: self.group(key) for key in self.error}
+
+  @classmethod
+  def from_groups(cls, count: jax.Array, groups: dict, signature: Any) -> "LocoState":
+    """The state of {group key: GroupState} (every group in the same mode)."""
+    fields = [{key: g[f] for key, g in groups.items()} for f in range(len(GroupState._fields))]
+    first = next(iter(groups.values()), GroupState((), None, None, None))
+    return cls(count, *[None if first[f] is None else fields[f] for f in range(len(fields))],
+               signature)
 
 
 def _shapes(field) -> str:
@@ -35,12 +61,16 @@ def _shapes(field) -> str:
   return f"{len(shapes)} arrays of shapes {shapes[:4]}" + (" ..." if len(shapes) > 4 else "")
 
 
-def check_state(state: Any, expected: LocoState) -> None:
-  """ValueError where `state` is not what `init` builds for this gradient tree (`expected`)."""
+def check_state(state: Any, updates: Any, expected: LocoState) -> None:
+  """ValueError where `updates` is not like the params `state` was made from, or `state` is
+  not what `init` builds for them (`expected`: another loco's settings, another mesh)."""
   if not isinstance(state, LocoState):
     raise ValueError(f"loco: the state must be a LocoState (from loco(...).init), got "
                      f"{type(state).__name__}")
-  for name, have, want in zip(state._fields[1:], state[1:], expected[1:]):
+  if isinstance(state.signature, trees.TreeSignature):
+    state.signature.check(updates, "loco")
+  for name in LocoState.PER_DEVICE:
+    have, want = getattr(state, name), getattr(expected, name)
     same = (jax.tree.structure(have) == jax.tree.structure(want) and
             all(jnp.shape(a) == jnp.shape(b) and jnp.result_type(a) == jnp.result_type(b)
                 for a, b in zip(jax.tree.leaves(have), jax.tree.leaves(want))))
@@ -67,8 +97,8 @@ def error_by_leaf(state: LocoState, params: Any, block_size: int = 2048,
     >>> error["w"].shape, scales["b"].shape
     ((2048,), (4,))
   """
-  parts = leaves.split(params)
-  p = buckets.plan(tuple(x.size if i in parts.chosen else 0 for i, x in enumerate(parts.leaves)),
+  tree = leaves.split(params)
+  p = buckets.plan(tuple(x.size if i in tree.sent else 0 for i, x in enumerate(tree.leaves)),
                    rows, block_size)
   expected = [((rows * b * n,), jnp.int8) for b, n in zip(p.blocks, p.block_lens)]
   if not set(state.error) <= {""}:
@@ -83,13 +113,13 @@ def error_by_leaf(state: LocoState, params: Any, block_size: int = 2048,
                      f"out in blocks of {block_size} over {rows} rows need {len(expected)} "
                      f"arrays of shapes {[s for s, _ in expected][:4]}: pass the params, "
                      f"block_size and rows (devices on the axis) the state was made for")
-  firsts = [[q.block0 for q in leaf.pieces] if leaf else None for leaf in p.leaves]
-  as_tree = lambda per_leaf, dtype: parts.tree(
+  block_starts = [[q.block0 for q in leaf.pieces] if leaf else None for leaf in p.leaves]
+  as_tree = lambda per_leaf, dtype: tree.tree(
       [jnp.zeros((0,), dtype) if x is None else x for x in per_leaf])
   error = as_tree(buckets.from_buckets([e.reshape(rows, b, n) for e, b, n in zip(
-      error_buckets, p.blocks, p.block_lens)], p, firsts), jnp.int8)
+      error_buckets, p.blocks, p.block_lens)], p, block_starts), jnp.int8)
   if scale_buckets is None:
     return error, None
   scales = buckets.scales_from_buckets([s.reshape(rows, b) for s, b in zip(
-      scale_buckets, p.blocks)], p, firsts)
+      scale_buckets, p.blocks)], p, block_starts)
   return error, as_tree(scales, jnp.float32)

@@ -175,7 +175,7 @@ def layered_model(config: GPTConfig = GPTConfig()) -> "fsdp.LayeredModel":
   """`loss_fn` of a `GPT(config)` as embed / block / head over `layered_params`' params.
 
   Example:
-    >>> from loco_jax import fsdp
+    >>> from loco_jax.train import fsdp
     >>> graphdef, params = split_model(GPT())
     >>> batch = jnp.zeros((8, 65), jnp.int32)
     >>> loss = fsdp.layered_loss(layered_model())(layered_params(params), batch)

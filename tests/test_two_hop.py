@@ -8,7 +8,7 @@ from jax.sharding import PartitionSpec as P
 
 from loco_jax import comm
 from loco_jax.train import parallel
-from loco_jax.transforms.hierarchical import two_hop
+from loco_jax.transforms.two_hop import two_hop
 
 NODES, LOCAL = 2, 4
 AXES = ("node", "local")
@@ -22,19 +22,15 @@ def _grads(seed):
           for key, (k, x) in zip(keys, sorted(PARAMS.items()))}
 
 
-def _step(opt):
-  mesh = parallel.node_mesh(NODES, LOCAL)
-  state, specs = parallel.init_opt_state(opt, PARAMS, mesh, AXES)
-  gspecs = jax.tree.map(lambda _: P(*AXES), PARAMS)
-  update = lambda g, s: opt.update(jax.tree.map(lambda x: x[0, 0], g), s)
-  step = jax.jit(jax.shard_map(update, mesh=mesh, in_specs=(gspecs, specs),
-                               out_specs=(jax.tree.map(lambda _: P(), PARAMS), specs)))
-  return step, state
+@pytest.fixture
+def step_of(shard_mapped_update):
+  """(the jitted update of a two_hop on the (node, local) mesh, its state)."""
+  return lambda opt: shard_mapped_update(opt, parallel.node_mesh(NODES, LOCAL), PARAMS, AXES)
 
 
 @pytest.mark.parametrize("intra", ["reduce_scatter", "loco"])
-def test_two_hops_track_the_mean(intra):
-  step, state = _step(two_hop(intra=intra))
+def test_two_hops_track_the_mean(intra, step_of):
+  step, state = step_of(two_hop(intra=intra))
   total_in, total_out = 0, 0
   for seed in range(6):
     grads = _grads(seed)
@@ -46,10 +42,10 @@ def test_two_hops_track_the_mean(intra):
   assert int(state.count) == 6
 
 
-def test_wire_bytes_per_hop():
+def test_wire_bytes_per_hop(step_of):
   report = {}
   for intra in ("reduce_scatter", "loco"):
-    step, state = _step(two_hop(intra=intra))
+    step, state = step_of(two_hop(intra=intra))
     hops = {}
     for c in comm.lowered_collectives(step, _grads(0), state):
       key = (c.op, "intra" if c.group_size == LOCAL else "inter")
@@ -71,9 +67,9 @@ def test_bad_arguments():
 
 
 @pytest.mark.parametrize("intra", ["reduce_scatter", "loco"])
-def test_non_finite_gradient_on_one_device_outputs_nan_and_keeps_state(intra):
+def test_non_finite_gradient_on_one_device_outputs_nan_and_keeps_state(intra, step_of):
   # block_size 1024: "w" is whole blocks on every local device, so hop 1 takes the fused step.
-  step, state = _step(two_hop(intra=intra, block_size=1024))
+  step, state = step_of(two_hop(intra=intra, block_size=1024))
   _, state = step(_grads(0), state)
   bad = _grads(1)
   bad["w"] = bad["w"].at[1, 2, 5, 7].set(jnp.inf)
@@ -83,8 +79,8 @@ def test_non_finite_gradient_on_one_device_outputs_nan_and_keeps_state(intra):
                after, state)
 
 
-def test_a_gradient_tree_that_does_not_match_the_state_names_the_leaf():
-  step, state = _step(two_hop(intra="loco"))
+def test_a_gradient_tree_that_does_not_match_the_state_names_the_leaf(step_of):
+  step, state = step_of(two_hop(intra="loco"))
   grads = _grads(0)
   grads["odd"] = jnp.zeros((NODES, LOCAL, 4, 3))
   with pytest.raises(ValueError, match=r"two_hop: gradient leaf \['odd'\] has shape \(4, 3\), "

@@ -1,0 +1,258 @@
+"""Local blocks: a transformation's step on each device's own block of model-sharded leaves.
+
+A leaf may be sharded over mesh axes that the transformation does not average over (a 'model'
+axis). Each device then compresses the block it holds, and nothing crosses those axes but a
+4-byte flag (so that every shard keeps or skips a non-finite step together):
+  (a) manual axes (the caller's jax.shard_map is manual over 'model' too): the leaf is local
+      already;
+  (b) Explicit axes (jax's sharding in types: `jax.typeof(g).sharding.spec` names them):
+      `local_update` and `local_init` run the step in a nested jax.shard_map over those axes,
+      so it sees the local block (no all-gather, no reshape of a sharded array);
+  (c) Auto axes inside a jax.shard_map that is manual over the data axes only: GSPMD lays the
+      leaves out at compile time and a tracer carries no spec. Tell the specs with the
+      transformation's `specs=` argument or the `leaf_specs` context manager (PartitionSpecs
+      like the params), and it runs as in (b). Told nothing, the step flattens whole leaves
+      (GSPMD gathers them over the Auto axes) and warns once.
+A leaf's state follows its layout: flat per-leaf state (a baseline's error) is sharded over all
+the axes the leaf is, P((axes...)); per-group state (LoCo's buckets) over its group's axes; in
+`init` as in `update`.
+"""
+
+import contextlib
+import contextvars
+import warnings
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from loco_jax.core import leaves
+
+_GIVEN_SPECS = contextvars.ContextVar("loco_jax_leaf_specs", default=None)
+_WARNED: set = set()
+
+
+@contextlib.contextmanager
+def leaf_specs(specs: Any):
+  """Tells the transformations updated inside how the gradient leaves are sharded.
+
+  `specs`: PartitionSpecs like the gradient tree (the params' specs). Needed only inside a
+  jax.shard_map that is manual over the data axes and leaves Auto model axes to GSPMD: there a
+  leaf carries no spec, and without one LoCo compresses (and GSPMD gathers) whole leaves. The
+  transformations' own `specs=` argument does the same for one transformation.
+
+  Example:
+    >>> with loco_jax.core.local_blocks.leaf_specs({"w": P(None, "model"), "b": P()}):
+    ...   pass  # opt.update(grads, state) inside the shard_map step
+  """
+  token = _GIVEN_SPECS.set(specs)
+  try:
+    yield
+  finally:
+    _GIVEN_SPECS.reset(token)
+
+
+def spec_axes(spec) -> list[str]:
+  """Every mesh axis a PartitionSpec (or None) splits over, in order."""
+  axes = []
+  for entry in tuple(spec) if spec is not None else ():
+    axes += [] if entry is None else [entry] if isinstance(entry, str) else list(entry)
+  return axes
+
+
+def keep_axes(spec, axes: set) -> P:
+  """`spec` with only the axes in `axes`."""
+  entries = []
+  for entry in tuple(spec):
+    names = [a for a in spec_axes(P(entry)) if a in axes]
+    entries.append(None if not names else names[0] if len(names) == 1 else tuple(names))
+  return P(*entries)
+
+
+class LocalBlocks(NamedTuple):
+  """The nested shard_map that gives a step the local blocks of model-sharded leaves."""
+  mesh: Any                      # the (abstract) mesh of the nested shard_map
+  axes: tuple[str, ...]          # the axes it makes manual
+  specs: list                    # per leaf: its PartitionSpec over `axes` only
+  leaf_axes: list[tuple]         # per leaf: the axes it is sharded over, in spec order
+
+
+def _spec_and_mesh(x, given, context, name: str, index: int):
+  """A leaf's spec, the mesh it applies to and the axis types that count: the given spec on
+  the context's mesh (or the leaf's), else the leaf's own Explicit sharding."""
+  sharding = getattr(leaves.abstract_type(x), "sharding", None)
+  leaf_mesh = getattr(sharding, "mesh", None)
+  if given is None:
+    return getattr(sharding, "spec", None), leaf_mesh, (jax.sharding.AxisType.Explicit,)
+  where = context if not context.empty else leaf_mesh
+  if not isinstance(given, P):
+    raise ValueError(f"{name}: specs holds {given!r} for leaf {index}; expected a "
+                     f"PartitionSpec")
+  if where is None or getattr(where, "empty", False):
+    raise ValueError(f"{name}: specs= (or leaf_specs) needs a mesh to apply to: call the "
+                     f"update inside jax.shard_map or under jax.set_mesh")
+  unknown = [a for a in spec_axes(given) if a not in where.axis_names]
+  if unknown:
+    raise ValueError(f"{name}: specs name axis {unknown[0]!r}, which the mesh lacks; its axes "
+                     f"are {tuple(where.axis_names)}")
+  return given, where, (jax.sharding.AxisType.Auto, jax.sharding.AxisType.Explicit)
+
+
+def find_blocks(tree: Any, averaged: leaves.AxisNames, specs: Any,
+                name: str) -> LocalBlocks | None:
+  """Where leaves are sharded over axes that are neither averaged nor manual: the nested
+  shard_map that gives the step their local blocks. None where every leaf is local already."""
+  flat, treedef = jax.tree.flatten(tree)
+  if not flat:  # nothing to localize (optax.tree_map_params's placeholder, say)
+    return None
+  context = jax.sharding.get_abstract_mesh()
+  specs = _GIVEN_SPECS.get() if specs is None else specs
+  given = [None] * len(flat)
+  if specs is not None:
+    try:
+      given = treedef.flatten_up_to(specs)
+    except (ValueError, TypeError) as e:
+      raise ValueError(f"{name}: specs must be PartitionSpecs in a tree like the gradients' "
+                       f"(the params'): {e}") from None
+  mesh, leaf_specs_, per_leaf = None, [], []
+  for i, x in enumerate(flat):
+    spec, where, kinds = _spec_and_mesh(x, given[i], context, name, i)
+    leaf_specs_.append(spec)
+    if spec is None or where is None or getattr(where, "empty", True) or not (
+        leaves.compressible(x)):
+      per_leaf.append(())
+      continue
+    types = dict(zip(where.axis_names, where.axis_types))
+    axes = tuple(a for a in spec_axes(spec) if types.get(a) in kinds
+                 and a not in leaves.axis_names(averaged) and where.shape[a] > 1)
+    if axes and mesh is None:
+      mesh = where
+    per_leaf.append(axes)
+  axes = tuple(a for a in (mesh.axis_names if mesh is not None else ())
+               if any(a in leaf for leaf in per_leaf))
+  if not axes:
+    _warn_if_gathered(flat, context, averaged, specs, name)
+    return None
+  return LocalBlocks(mesh, axes, [keep_axes(spec, set(leaf)) if leaf else P()
+                                  for spec, leaf in zip(leaf_specs_, per_leaf)], per_leaf)
+
+
+def _warn_if_gathered(flat: list, context, averaged: leaves.AxisNames, specs,
+                      name: str) -> None:
+  """UserWarning (once per transformation and set of axes) where Auto axes of size > 1 may
+  split leaves that no one told us about: GSPMD then gathers the whole leaf for the step."""
+  if specs is not None or context.empty or not any(leaves.compressible(x) for x in flat):
+    return
+  auto = tuple(a for a, kind in zip(context.axis_names, context.axis_types)
+               if kind == jax.sharding.AxisType.Auto and context.shape[a] > 1
+               and a not in leaves.axis_names(averaged))
+  if not auto or (name, auto) in _WARNED:
+    return
+  _WARNED.add((name, auto))
+  warnings.warn(
+      f"{name}: the mesh's Auto axes {auto} may shard the gradient leaves, but a leaf inside "
+      f"jax.shard_map carries no spec, so each device compresses whole leaves (GSPMD gathers "
+      f"them). To compress each device's own shard, do one of: pass specs= (the params' "
+      f"PartitionSpecs) to the transformation; wrap the update in "
+      f"loco_jax.core.local_blocks.leaf_specs(specs); or make those axes manual (shard_map "
+      f"over them too) or Explicit (jax.make_mesh(..., axis_types=Explicit)).", UserWarning,
+      stacklevel=4)
+
+
+def state_specs_on_blocks(state: Any, treedef: Any, blocks: LocalBlocks) -> Any:
+  """Specs of a transformation's state on the nested shard_map: a field shaped like the
+  gradient tree follows each leaf (flat, over the leaf's axes); a field that a state class lists
+  in `BY_BUCKET` is a dict keyed by `leaves.group_key` (the axes its arrays' leaves are split
+  over) and split over those; other arrays with a dimension (per-device statistics) are split
+  over every axis; scalars (step counters) are replicated."""
+  by_group = getattr(state, "BY_BUCKET", ())
+
+  def field(value, name=None):
+    if value is None:
+      return None
+    if name in by_group and isinstance(value, dict):  # {group key: arrays}
+      return {key: jax.tree.map(lambda _, key=key: P(tuple(
+          a for a in blocks.axes if a in leaves.key_axes(key))) if key else P(), arrays)
+              for key, arrays in value.items()}
+    if jax.tree.structure(value) == treedef:
+      return treedef.unflatten([P(axes) if axes and np.ndim(v) else P() for v, axes in zip(
+          treedef.flatten_up_to(value), blocks.leaf_axes)])
+    return jax.tree.map(lambda v: P(blocks.axes) if np.ndim(v) else P(), value)
+  if isinstance(state, tuple) and hasattr(state, "_fields"):
+    return type(state)(*[field(v, name) for v, name in zip(state, state._fields)])
+  return field(state)
+
+
+def _inside(fn: Callable, axes: tuple[str, ...]) -> Callable:
+  def run(*args):
+    with leaves.local_axes(axes):
+      return fn(*args)
+  return run
+
+
+def _call_on_blocks(fn: Callable, compiled: dict, blocks: LocalBlocks, in_specs, out_specs,
+                    *args):
+  """`fn` on the local blocks: a nested jax.shard_map over `blocks.axes`. Called outside any
+  trace, it is jitted (and kept in `compiled`): an eager shard_map dispatches op by op."""
+  smap = jax.shard_map(_inside(fn, blocks.axes), mesh=blocks.mesh, in_specs=in_specs,
+                       out_specs=out_specs, axis_names=set(blocks.axes))
+  if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args)):
+    return smap(*args)
+  key = (jax.tree.structure(args), str(in_specs), str(out_specs), blocks.axes, blocks.mesh)
+  if key not in compiled:
+    compiled[key] = jax.jit(smap)
+  return compiled[key](*args)
+
+
+def shapes_inside(fn: Callable, mesh: Any, in_specs: Any, axes: Any, *args) -> Any:
+  """Shapes of `fn(*args)` on the blocks of a shard_map manual over `axes` (only there do groups
+  of leaves split over them show)."""
+  seen = []
+  probe = lambda *local: seen.append(jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), fn(*local))) or jnp.zeros(())
+  jax.eval_shape(jax.shard_map(probe, mesh=mesh, in_specs=in_specs, out_specs=P(),
+                               axis_names=set(axes)), *args)
+  return seen[0]
+
+
+def local_init(init_fn: Callable, averaged: leaves.AxisNames = None, specs: Any = None,
+               name: str = "init") -> Callable:
+  """`init_fn(params)` run on each device's local blocks where leaves are sharded over axes
+  that are not averaged (see the module doc); as is elsewhere."""
+  compiled = {}
+
+  def init(params):
+    blocks = find_blocks(params, averaged, specs, name)
+    if blocks is None:
+      return init_fn(params)
+    treedef = jax.tree.structure(params)
+    in_specs = (treedef.unflatten(blocks.specs),)
+    state = shapes_inside(_inside(init_fn, blocks.axes), blocks.mesh, in_specs, blocks.axes,
+                          params)
+    return _call_on_blocks(init_fn, compiled, blocks, in_specs,
+                           state_specs_on_blocks(state, treedef, blocks), params)
+  return init
+
+
+def local_update(update_fn: Callable, averaged: leaves.AxisNames = None, specs: Any = None,
+                 flat_output: bool = False, name: str = "update") -> Callable:
+  """`update_fn(updates, state)` -> (updates, state), run on each device's local blocks where
+  leaves are sharded over axes that are not averaged; as is elsewhere. `flat_output`: the
+  output leaves are flat vectors (a scatter's shards), split like the state."""
+  compiled = {}
+
+  def update(updates, state, params=None, **extra_args):
+    del params, extra_args
+    blocks = find_blocks(updates, averaged, specs, name)
+    if blocks is None:
+      return update_fn(updates, state)
+    treedef = jax.tree.structure(updates)
+    state_specs = state_specs_on_blocks(state, treedef, blocks)
+    out_leaves = ([P(axes) if axes else P() for axes in blocks.leaf_axes] if flat_output
+                  else blocks.specs)
+    return _call_on_blocks(update_fn, compiled, blocks,
+                           (treedef.unflatten(blocks.specs), state_specs),
+                           (treedef.unflatten(out_leaves), state_specs), updates, state)
+  return update
