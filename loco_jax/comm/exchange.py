@@ -12,13 +12,13 @@ from loco_jax.core import quant
 from loco_jax.core.layout import AxisName, LeafLayout, Payload, from_rows
 
 
-def axis_size(axis_name: AxisName, who: str = "loco") -> int:
+def axis_size(axis_name: AxisName, caller: str = "loco") -> int:
   """Device count along `axis_name`; a ValueError naming the axis if it is not bound."""
   try:
     return jax.lax.axis_size(axis_name)
   except NameError as e:
     raise ValueError(
-        f"{who}: axis_name={axis_name!r} is not bound here. Call the update inside "
+        f"{caller}: axis_name={axis_name!r} is not bound here. Call the update inside "
         f"jax.shard_map over a mesh that has that axis (or pass axis_name=None for local "
         f"compression). JAX said: {e}") from None
 

@@ -90,9 +90,9 @@ def _short_blocks(rests: list[int], full: int, has_full: bool,
   """Block lengths below `full` (powers of two times 8) for the leaves' remainders, at most three
   lengths in all with `full` where a row holds a full block: the fewest lengths that send the
   remainders within `_SPARE_BYTES` x `row_bytes` (a row of every leaf) of the fewest bytes.
-  Each length is a bucket, and each bucket a set of kernels to compile (~14 ms each on
-  XLA:CPU): on the GPT-2-shaped tree a second short length saved 0.02% of the bytes over 8
-  devices and cost 23 distinct kernels of the mesh step's 119; over 64 devices it saves 9%."""
+  Each length is a bucket, and each bucket a set of kernels to compile: a length that saves
+  almost no bytes costs more compile time than it saves on the wire (docs/PERFORMANCE.md, "One
+  short-block bucket")."""
   candidates = [8 * 2 ** k for k in range(16) if 8 * 2 ** k < full] or [full]
   leaves_with = collections.Counter(r for r in rests if r)
   options = []
@@ -193,16 +193,16 @@ def finite(bucket: jax.Array) -> jax.Array:
 def starts(p: Plan, count: jax.Array) -> list[list | None]:
   """Each leaf's pieces' first blocks, for `from_buckets`, `shards` and `scales_from_buckets`.
 
-  XLA:CPU compiles each distinct fusion once (~10 ms each): slices at constant offsets are
-  distinct for every leaf, so taking 148 leaves out of a bucket cost 148 kernels, and leaves
-  of one shape at offsets only known at run time cost one. On CPU the offsets therefore come
+  XLA:CPU compiles each distinct fusion once: slices at constant offsets are distinct for
+  every leaf, so taking N leaves out of a bucket costs N kernels, and leaves of one shape at
+  offsets only known at run time cost one. On CPU the offsets therefore come
   out of a while loop that XLA cannot unroll: it runs once (`count`, the step counter, is
   never negative) and passes them through a max with 0. Elsewhere they are constants.
   """
-  firsts = [[q.block0 for q in leaf.pieces] if leaf else [] for leaf in p.leaves]
+  block_starts = [[q.block0 for q in leaf.pieces] if leaf else [] for leaf in p.leaves]
   if jax.default_backend() != "cpu":
-    return [f if leaf else None for f, leaf in zip(firsts, p.leaves)]
-  flat = [np.int32(b) for f in firsts for b in f]
+    return [f if leaf else None for f, leaf in zip(block_starts, p.leaves)]
+  flat = [np.int32(b) for f in block_starts for b in f]
 
   def body(carry):
     i, k, values = carry
@@ -211,7 +211,7 @@ def starts(p: Plan, count: jax.Array) -> list[list | None]:
   _, _, flat = jax.lax.while_loop(lambda c: c[0] < 1 + jnp.minimum(c[1], 0), body,
                                   (jnp.int32(0), count.astype(jnp.int32), flat))
   out, at = [], 0
-  for f, leaf in zip(firsts, p.leaves):
+  for f, leaf in zip(block_starts, p.leaves):
     out.append(flat[at: at + len(f)] if leaf else None)
     at += len(f)
   return out

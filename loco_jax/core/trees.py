@@ -29,7 +29,7 @@ def check_same_structure(tree: Any, like: Any, what: str, like_what: str, hint: 
   raise ValueError(f"{what} does not match {like_what}: {where}.{hint}")
 
 
-def check_state_matches(who: str, updates: Any, state: Any, expected: Any) -> None:
+def check_state_matches(caller: str, updates: Any, state: Any, expected: Any) -> None:
   """ValueError naming the first gradient leaf whose part of `state` is not what
   `init(updates)` would build (`expected`, e.g. from jax.eval_shape): the leaf's key path, the
   gradient's shape and the state's shape. Every field of the NamedTuple `state` but scalars
@@ -40,13 +40,13 @@ def check_state_matches(who: str, updates: Any, state: Any, expected: Any) -> No
   for field, have, want in zip(state._fields, state, expected):
     if have is None or want is None or getattr(want, "ndim", None) == 0:
       continue  # absent in this mode, or a step counter rather than a tree like the gradient
-    check_same_structure(updates, have, f"{who}: the gradient tree", f"state.{field}", hint)
+    check_same_structure(updates, have, f"{caller}: the gradient tree", f"state.{field}", hint)
     stored_leaves = _paths(have)
     for path, leaf in _paths(want).items():
       stored = stored_leaves[path]
       if _shape(stored) != _shape(leaf):
         raise ValueError(
-            f"{who}: gradient leaf {path} has shape {_shape(grads[path])}, but state.{field}"
+            f"{caller}: gradient leaf {path} has shape {_shape(grads[path])}, but state.{field}"
             f"{path} has shape {_shape(stored)} (a gradient of that shape needs "
             f"{_shape(leaf)}).{hint}")
 
@@ -104,7 +104,7 @@ of the params given to init.
   def __repr__(self) -> str:
     return f"TreeSignature({self.treedef.num_leaves} leaves)"
 
-  def check(self, tree: Any, who: str) -> None:
+  def check(self, tree: Any, caller: str) -> None:
     """ValueError naming the first leaf where `tree` differs from the signed tree: structure,
     shape, or a float leaf where there was none (or the reverse); float widths may differ.
 
@@ -113,7 +113,7 @@ of the params given to init.
     hint = (" The gradient tree must have the structure and leaf shapes of the params given "
             "to init.")
     like = self.treedef.unflatten(list(range(self.treedef.num_leaves)))
-    what, like_what = f"{who}: the gradient tree", "the params the state was initialised with"
+    what, like_what = f"{caller}: the gradient tree", "the params the state was initialised with"
     try:
       subtrees = jax.tree.structure(tree).flatten_up_to(like)
     except (ValueError, TypeError):
@@ -126,10 +126,10 @@ of the params given to init.
                                 [jax.tree.leaves(t)[0] for t in subtrees]):
       shape, was_float = self.shapes[index], self.floats[index]
       if _shape(x) != shape:
-        raise ValueError(f"{who}: gradient leaf {keystr(path)} has shape {_shape(x)}, but the "
+        raise ValueError(f"{caller}: gradient leaf {keystr(path)} has shape {_shape(x)}, but the "
                          f"params the state was initialised with have {shape} there.{hint}")
       if _is_float(x) != was_float:
-        raise ValueError(f"{who}: gradient leaf {keystr(path)} is {_dtype(x)}, but the params "
+        raise ValueError(f"{caller}: gradient leaf {keystr(path)} is {_dtype(x)}, but the params "
                          f"the state was initialised with have a "
                          f"{'float' if was_float else 'non-float'} leaf there.{hint}")
 

@@ -104,10 +104,10 @@ def topk_codec(fraction: float) -> Codec:
 
   def average(messages, flag, axis_name):
     as_int = lambda x: jax.lax.bitcast_convert_type(x, jnp.int32)
-    parts = [m[0] for m in messages] + [as_int(m[1]) for m in messages] + [as_int(flag)[None]]
-    gathered_NxW = jax.lax.all_gather(jnp.concatenate(parts), axis_name, axis=0,
+    fields = [m[0] for m in messages] + [as_int(m[1]) for m in messages] + [as_int(flag)[None]]
+    gathered_NxW = jax.lax.all_gather(jnp.concatenate(fields), axis_name, axis=0,
                                       to="invarying")
-    starts = np.cumsum([0] + [p.size for p in parts])
+    starts = np.cumsum([0] + [f.size for f in fields])
     take = lambda j: gathered_NxW[:, starts[j]:starts[j + 1]]
     n_leaves = len(messages)
     means = [scatter_mean(take(j), jax.lax.bitcast_convert_type(take(n_leaves + j), jnp.float32),
@@ -119,8 +119,8 @@ def topk_codec(fraction: float) -> Codec:
 
 
 def encode_all(codec: Codec, hs: list[jax.Array], axis_name: AxisName | None,
-            who: str) -> tuple[list, list[jax.Array]]:
-  rows = 1 if axis_name is None else exchange.axis_size(axis_name, who)
+            name: str) -> tuple[list, list[jax.Array]]:
+  rows = 1 if axis_name is None else exchange.axis_size(axis_name, name)
   messages, decoded = zip(*[codec.encode(h, rows) for h in hs])
   return list(messages), list(decoded)
 

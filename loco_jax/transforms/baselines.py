@@ -80,7 +80,7 @@ def _saturating_cast_keeping_inf(x: jax.Array, dtype) -> jax.Array:
 
 
 def _all_reduce(wire_dtype, axis_name: AxisName | None,
-                who: str) -> optax.GradientTransformationExtraArgs:
+                name: str) -> optax.GradientTransformationExtraArgs:
   # Elementwise and a pmean: model-sharded leaves need no local view (nothing is flattened).
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
@@ -90,7 +90,7 @@ def _all_reduce(wire_dtype, axis_name: AxisName | None,
     if axis_name is not None and wire:
       # The sum inside a mean overflows for finite gradients near the maximum; the mean of
       # x / 2**k (2**k >= n) cannot, and times 2**k it is the same number (powers of two: exact).
-      down = quant.mean_factors(exchange.axis_size(axis_name, who))[0]
+      down = quant.mean_factors(exchange.axis_size(axis_name, name))[0]
       wire = [x * jnp.asarray(down, x.dtype) for x in wire]
       # 16-bit floats: a mean that crosses at 16 bits on every backend (exchange.mean_16bit).
       wire = (exchange.mean_16bit(wire, axis_name) if wire[0].dtype == jnp.bfloat16
@@ -177,7 +177,7 @@ def int_quantized(bits: int = 4, block_size: int = 2048,
   return optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update_fn)
 
 
-def _feedback(codec: baseline_codecs.Codec, axis_name: AxisName | None, who: str,
+def _feedback(codec: baseline_codecs.Codec, axis_name: AxisName | None, name: str,
               beta: float = 0.0, specs: Any = None) -> optax.GradientTransformationExtraArgs:
   """Classic error feedback around `codec`: h = g + e, send C(h), e' = h - d (float32); with
   `beta`, LoCo's moving average e' = beta e + (1 - beta)(h - d)."""
@@ -187,7 +187,7 @@ def _feedback(codec: baseline_codecs.Codec, axis_name: AxisName | None, who: str
   def exchange_group(grads, flag, fields):
     errors, = fields
     hs = [quant.saturate(g + e) for g, e in zip(grads, errors)]  # finite, never inf
-    messages, decoded = baseline_codecs.encode_all(codec, hs, axis_name, who)
+    messages, decoded = baseline_codecs.encode_all(codec, hs, axis_name, name)
     means, flags = baseline_codecs.average_all(codec, messages, decoded, flag, axis_name)
     classic = args.is_concrete(beta) and beta == 0  # traced: inject_hyperparams
     new_errors = [h - d if classic  # h and d share their sign: no overflow
@@ -196,7 +196,7 @@ def _feedback(codec: baseline_codecs.Codec, axis_name: AxisName | None, who: str
     return means, [new_errors], flags
 
   def update_fn(updates, state):
-    trees.check_state_matches(who, updates, state, init_fn(updates))
+    trees.check_state_matches(name, updates, state, init_fn(updates))
     grads = leaves.split(updates, axis_name)
     if not grads.sent:
       return updates, state
@@ -204,8 +204,8 @@ def _feedback(codec: baseline_codecs.Codec, axis_name: AxisName | None, who: str
     return update, ErrorFeedbackState(grads.tree(errors))
 
   return optax.GradientTransformationExtraArgs(
-      local_blocks.local_init(init_fn, axis_name, specs, who),
-      local_blocks.local_update(update_fn, axis_name, specs, name=who))
+      local_blocks.local_init(init_fn, axis_name, specs, name),
+      local_blocks.local_update(update_fn, axis_name, specs, name=name))
 
 
 def error_feedback(bits: int = 4, block_size: int = 2048,

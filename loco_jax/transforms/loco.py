@@ -171,7 +171,8 @@ def finite_first(grads: leaves.Leaves, plans: dict, filled: dict, mode: Exchange
   skip by itself; None elsewhere.
 
   Local mode on `leaves.SKIP_BY_COND` backends, where some leaf is a whole bucket: `finish`'s
-  lax.cond would copy that bucket (an operand of the cond), 64 MiB a step on one leaf of 2**24.
+  lax.cond would copy that bucket, an operand of the cond (docs/PERFORMANCE.md, "One
+  short-block bucket, index wrapping, the flat leaf's cond copies").
   There the step writes NaN updates and keeps the state itself (`compress_step(skip=...)`).
   With many leaves the cond stays: it keeps XLA from fusing a small bucket's arithmetic into
   every leaf's slice.
