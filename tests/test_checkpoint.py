@@ -226,7 +226,8 @@ def test_round_trip_ddp_and_zero2_and_keep(tmp_path):
   assert sorted(int(p.name) for p in (tmp_path / "zero2").iterdir()) == [3, 4]
   meta = checkpoint.metadata(tmp_path / "zero2")
   assert meta["step"] == 4 and meta["device count"] == 8 and meta["config"] == config
-  assert meta["tree"][".params['w1']"] == [[16 * 32 // 8 * 8], "float32"]
+  assert meta["mesh"] == [["data", 8]]
+  assert meta["tree"][".params['w1']"] == [[16 * 32 // 8 * 8], "float32", ["data"]]
 
 
 def test_mismatches_raise_and_touch_nothing(tmp_path):

@@ -89,7 +89,8 @@ def build(mode: str, hidden: int, mesh: Mesh) -> tuple[parallel.TrainState, Call
   config = {"model": "mlp-regression" + (f"-{LAYERS}-blocks" if mode == "fsdp" else ""),
             "shape": [IN, hidden, OUT], "mode": mode,
             "devices": mesh.size, "optimizer": "adam(1e-2)",
-            "compressor": f"loco(axis_name='data', scatter={sharded})"}
+            "compressor": f"loco(axis_name='data', scatter={sharded})",
+            "layout": checkpoint.train_layout(mesh, params, mode=mode)}
   return state, step, config
 
 

@@ -1,17 +1,24 @@
 """Result files written whole or not at all: a temp file (or folder) beside the target, then a
-rename; and digests of a folder's files, to tell a complete folder from a damaged one."""
+rename; digests of a folder's files, to tell a complete folder from a damaged one; and JSON read
+from files that may come from anywhere."""
 
 import contextlib
 import hashlib
 import io
 import json
 import os
+import re
 import shutil
 import signal
+import stat
 import tempfile
 import threading
 from pathlib import Path
 from typing import Any, Iterator
+
+import numpy as np
+
+MAX_JSON_DEPTH = 64
 
 
 def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:
@@ -119,6 +126,74 @@ def replace_folder(staging: str | os.PathLike, target: str | os.PathLike) -> Non
     raise
 
 
+# --- Untrusted JSON ------------------------------------------------------------------------------
+
+# A JSON string up to its closing quote, or to the end of the text if it has none: every quote
+# starts a match, so the scan stays linear on hostile input.
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"?', re.DOTALL)
+
+
+def json_depth(data: bytes) -> int:
+  """How deep the arrays and objects of the JSON text `data` nest (strings skipped as JSON reads
+  them), counted in linear time and without recursion, whatever `data` holds.
+
+  Example:
+    >>> json_depth(b'{"a": [1, "]]"], "b": {}}')
+    2
+  """
+  codes = np.frombuffer(_JSON_STRING.sub(b"", data), np.uint8)
+  opens = (codes == ord("[")) | (codes == ord("{"))
+  closes = (codes == ord("]")) | (codes == ord("}"))
+  return int(np.cumsum(opens.astype(np.int32) - closes).max(initial=0))
+
+
+def read_json(path: str | os.PathLike, what: str, max_bytes: int,
+              max_depth: int = MAX_JSON_DEPTH) -> Any:
+  """The JSON document in `path`, a file that is not trusted.
+
+  Args:
+    path: the file.
+    what: what it holds, for the error messages ("commit marker").
+    max_bytes: the largest file accepted.
+    max_depth: the deepest nesting of arrays and objects accepted.
+  Returns:
+    The parsed document. A file that is missing, not a regular file (a folder, a symbolic link,
+    a device), larger than `max_bytes`, nested deeper than `max_depth` or not UTF-8 JSON is a
+    ValueError naming it, read no further than `max_bytes` + 1 bytes.
+  Example:
+    >>> import tempfile
+    >>> path = Path(tempfile.mkdtemp()) / "deep.json"
+    >>> _ = path.write_text("[" * 100000)
+    >>> read_json(path, "record", 1 << 20)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: .../deep.json: the record nests deeper than 64 levels
+  """
+  path = Path(path)
+  try:
+    mode = path.lstat().st_mode
+  except FileNotFoundError:
+    raise ValueError(f"{path} is missing: there is no {what}") from None
+  except OSError as e:
+    raise ValueError(f"{path}: the {what} cannot be read ({e})") from None
+  if not stat.S_ISREG(mode):
+    raise ValueError(f"{path}: the {what} is not a regular file (a folder, a symbolic link or "
+                     f"a device)")
+  try:
+    with open(path, "rb") as f:
+      data = f.read(max_bytes + 1)
+  except OSError as e:
+    raise ValueError(f"{path}: the {what} cannot be read ({e})") from None
+  if len(data) > max_bytes:
+    raise ValueError(f"{path}: the {what} is larger than {max_bytes} bytes")
+  if json_depth(data) > max_depth:
+    raise ValueError(f"{path}: the {what} nests deeper than {max_depth} levels")
+  try:
+    return json.loads(data)
+  except ValueError as e:  # bytes that are not UTF-8 JSON
+    raise ValueError(f"{path}: the {what} is not JSON ({e})") from None
+
+
 # --- Digests --------------------------------------------------------------------------------------
 
 def _sha256(path: Path) -> str:
@@ -151,11 +226,43 @@ def digests(folder: str | os.PathLike, exclude: tuple[str, ...] = ()) -> dict[st
   return dict(sorted(out.items()))
 
 
+def _is_plain_relative(relative: Any) -> bool:
+  """A relative POSIX path that names something inside its folder: no '..', '.', empty part,
+  leading '/', backslash or NUL."""
+  if not isinstance(relative, str) or "\\" in relative or "\0" in relative:
+    return False
+  return all(part not in ("", ".", "..") for part in relative.split("/"))
+
+
+def _regular_files(folder: Path) -> dict[str, os.stat_result]:
+  """{relative path: stat} of every file under `folder`; a ValueError for a symbolic link (file
+  or folder, followed by nothing here) or anything else that is not a regular file or folder."""
+  def unreadable(error: OSError):
+    raise ValueError(f"{error.filename}: cannot be listed ({error.strerror})")
+  found = {}
+  for root, folders, names in os.walk(folder, onerror=unreadable):
+    for name in folders + names:
+      path = Path(root, name)
+      info = path.lstat()
+      if stat.S_ISLNK(info.st_mode):
+        raise ValueError(f"{path} is a symbolic link: the folder holds regular files and "
+                         f"folders only, and nothing read from it may lead outside it")
+      if name in names:
+        if not stat.S_ISREG(info.st_mode):
+          raise ValueError(f"{path} is not a regular file (a device, socket or pipe)")
+        found[path.relative_to(folder).as_posix()] = info
+  return found
+
+
 def check_digests(folder: str | os.PathLike, expected: dict[str, list],
                   exclude: tuple[str, ...] = ()) -> None:
   """Raises a ValueError naming the first file under `folder` that differs from `expected`
   (`digests` of the folder as it was written): missing, not a file, another size, other
   bytes, or a file that was not there.
+
+  `expected` may come from anywhere: a path in it that is not a plain relative path inside
+  `folder` ('..', absolute) is an error, as is a symbolic link anywhere under `folder`; only
+  regular files inside it are read.
   Example:
     >>> import tempfile
     >>> folder = Path(tempfile.mkdtemp())
@@ -168,20 +275,20 @@ def check_digests(folder: str | os.PathLike, expected: dict[str, list],
     ValueError: .../a.txt: its bytes differ from those written (sha256 ...)
   """
   folder = Path(folder)
+  outside = [relative for relative in expected if not _is_plain_relative(relative)]
+  if outside:
+    raise ValueError(f"{folder}: the listed path {outside[0]!r} is not a plain relative path "
+                     f"inside it (no '..', '.', empty parts, leading '/' or backslashes)")
+  found = _regular_files(folder)
   for relative, (size, sha256) in expected.items():
     path = folder / relative
-    if not path.exists():
-      raise ValueError(f"{path} is missing")
-    if not path.is_file():
-      raise ValueError(f"{path} is not a file")
-    if path.stat().st_size != size:
-      raise ValueError(f"{path} has {path.stat().st_size} bytes; {size} were written "
+    if relative not in found:
+      raise ValueError(f"{path} is not a file" if path.exists() else f"{path} is missing")
+    if found[relative].st_size != size:
+      raise ValueError(f"{path} has {found[relative].st_size} bytes; {size} were written "
                        f"(truncated or overwritten)")
     if _sha256(path) != sha256:
       raise ValueError(f"{path}: its bytes differ from those written (sha256 {sha256})")
-  for root, _, names in os.walk(folder):
-    for name in names:
-      path = Path(root, name)
-      relative = path.relative_to(folder).as_posix()
-      if relative not in expected and relative not in exclude:
-        raise ValueError(f"{path} was not written with the others (a stray file)")
+  for relative in found:
+    if relative not in expected and relative not in exclude:
+      raise ValueError(f"{folder / relative} was not written with the others (a stray file)")
