@@ -39,7 +39,7 @@ format 2 (no mesh record) restore where they were saved on one device and are re
 
 Example:
   >>> import tempfile
-  >>> from loco_jax import checkpoint
+  >>> from loco_jax.train import checkpoint
   >>> directory = tempfile.mkdtemp()
   >>> state = {"w": jnp.arange(4.0), "count": jnp.zeros((), jnp.int32)}
   >>> checkpoint.save(directory, 100, state, {"model": "mlp"}).name
@@ -147,7 +147,7 @@ def latest_step(directory: str | os.PathLike) -> int | None:
   saves and stray directories do not count; a complete step's files are checked on restore.
   Example:
     >>> import tempfile
-    >>> from loco_jax import checkpoint
+    >>> from loco_jax.train import checkpoint
     >>> directory = Path(tempfile.mkdtemp())
     >>> _ = checkpoint.save(directory, 5, {"w": jnp.ones(2)}, {})
     >>> (directory / "6").mkdir()  # a stray directory: not a checkpoint
@@ -172,7 +172,7 @@ def save(directory: str | os.PathLike, step: int, state: Any, config: dict, *,
   overwriting it. Every process of a multi-host job must call it.
   Example:
     >>> import tempfile
-    >>> from loco_jax import checkpoint
+    >>> from loco_jax.train import checkpoint
     >>> directory = tempfile.mkdtemp()
     >>> path = checkpoint.save(directory, 1, {"w": jnp.ones(3)}, {"model": "mlp"})
     >>> path.name, (path / checkpoint.COMMIT).is_file()
@@ -241,7 +241,7 @@ def metadata(directory: str | os.PathLike, step: int | None = None) -> dict:
 
   Example:
     >>> import tempfile
-    >>> from loco_jax import checkpoint
+    >>> from loco_jax.train import checkpoint
     >>> directory = tempfile.mkdtemp()
     >>> _ = checkpoint.save(directory, 3, {"w": jnp.ones(2)}, {"model": "mlp"})
     >>> meta = checkpoint.metadata(directory)
@@ -265,7 +265,7 @@ def restore(directory: str | os.PathLike, state_like: Any, config: dict,
   process of a multi-host job must call it. Returns (state, step).
   Example:
     >>> import tempfile
-    >>> from loco_jax import checkpoint
+    >>> from loco_jax.train import checkpoint
     >>> directory, config = tempfile.mkdtemp(), {"model": "mlp"}
     >>> _ = checkpoint.save(directory, 7, {"w": jnp.ones(2)}, config)
     >>> fresh = {"w": jnp.zeros(2)}
