@@ -234,9 +234,13 @@ def local(settings: Co3Settings, symbols: list, scales: jax.Array, flag: jax.Arr
   if settings.entropy_code:
     shapes = (jax.ShapeDtypeStruct(row_1xB.shape, jnp.uint8), jax.ShapeDtypeStruct((), jnp.int32))
     row_1xB, coded_bytes = leaves.vary_like(coded.host_call(_roundtrip, shapes, row_1xB), row_1xB)
-  values = _values(row_1xB, scales[None], layouts, settings.fmt)
-  return Exchanged([v[0, :lay.size] for v, lay in zip(values, layouts)], flag, jnp.float32(0),
-                   coded_bytes, None)
+  values = [v[0, :lay.size] for v, lay in zip(_values(row_1xB, scales[None], layouts,
+                                                     settings.fmt), layouts)]
+  if settings.axis_name is not None:  # an axis of one device: the mean is typed replicated
+    values, flag = jax.lax.all_gather((values, flag[None]), settings.axis_name, tiled=True,
+                                      to="invarying")
+    flag = flag[0]
+  return Exchanged(values, flag, jnp.float32(0), coded_bytes, None)
 
 
 def _roundtrip(row_1xB: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
