@@ -17,7 +17,7 @@ Example (inside jax.shard_map over "data", n devices):
   ...                   huffman_deflate.overhead)                        # doctest: +SKIP
   >>> capacity = slot_bytes(rows.shape[1], 4.0, coder)                   # doctest: +SKIP
   >>> got = all_to_all(rows, side, capacity, coder, "data")              # doctest: +SKIP
-  >>> got.rows[s], got.side[s]   # what device s sent here, and its side numbers
+  >>> got.rows[s], got.side[s]  # what device s sent here, its side numbers  # doctest: +SKIP
 """
 
 import functools

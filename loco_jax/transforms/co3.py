@@ -156,27 +156,44 @@ def update(settings: Co3Settings, updates: Any, state: Co3State) -> tuple[Any, C
   parts = leaves.split(updates, settings.axis_name)
   if not parts.chosen:
     return updates, state
-  old = _LeafFields(*[None if f is None else parts.per_leaf(f) for f in _fields(state)])
-  new, values = _LeafFields(*[None if f is None else list(f) for f in old]), [None] * len(old.error)
-  status, coded_bytes, coded_symbols = jnp.zeros(2, jnp.float32), jnp.int32(0), 0
-  refit = state.count % settings.refit_interval == 0
-  for group in parts.groups:
-    step = _group_step(settings, parts, group, old, refit)
-    for field, group_values in zip((values, *new), (step.exchanged.values, *step.fields)):
-      for i, value in zip(group, group_values if field is not None else ()):
-        field[i] = value
-    status = status + jnp.stack([step.exchanged.flag, step.exchanged.overflowed])
-    coded_bytes, coded_symbols = coded_bytes + step.exchanged.coded_bytes, coded_symbols + step.symbols
-  flag, overflowed = parts.agree(status)  # every shard, like every device, keeps or skips
+  stepped = _step_groups(settings, parts, state)
+  flag, overflowed = parts.agree(stepped.status)  # every shard, like every device, agrees
   taken = jnp.isfinite(flag)
-  kept = leaves.keep_if(taken, tuple(None if f is None else parts.tree(f) for f in new),
-                        _fields(state))
-  bits = 8.0 * coded_bytes / max(coded_symbols, 1) if settings.entropy_code else settings.fmt.bits
-  return parts.outputs(values, jnp.where(taken, 0.0, jnp.nan)), Co3State(
+  kept = leaves.keep_if(taken, tuple(None if f is None else parts.tree(f)
+                                     for f in stepped.fields), _fields(state))
+  bits = (8.0 * stepped.coded_bytes / max(stepped.coded_symbols, 1) if settings.entropy_code
+          else settings.fmt.bits)
+  return parts.outputs(stepped.values, jnp.where(taken, 0.0, jnp.nan)), Co3State(
       jnp.where(taken, optax.safe_increment(state.count), state.count), *kept,
       coded_bits=jnp.where(taken, bits, state.coded_bits).reshape(1).astype(jnp.float32),
       overflows=state.overflows + (taken & (overflowed > 0)).astype(jnp.int32),
       rejected=state.rejected + (flag == jnp.inf).astype(jnp.int32))
+
+
+class _Stepped(NamedTuple):
+  """Every group's step, merged: per leaf lists (None for leaves not sent), and totals."""
+  values: list
+  fields: "_LeafFields"
+  status: jax.Array         # float32 [2]: the flags' sum, the groups that overflowed
+  coded_bytes: jax.Array    # int32
+  coded_symbols: int
+
+
+def _step_groups(settings: Co3Settings, parts: leaves.Leaves, state: Co3State) -> _Stepped:
+  old = _LeafFields(*[None if f is None else parts.per_leaf(f) for f in _fields(state)])
+  fields = _LeafFields(*[None if f is None else list(f) for f in old])
+  values = [None] * len(parts.leaves)
+  status, coded_bytes, coded_symbols = jnp.zeros(2, jnp.float32), jnp.int32(0), 0
+  refit = state.count % settings.refit_interval == 0
+  for group in parts.groups:
+    step = _group_step(settings, parts, group, old, refit)
+    for field, group_values in zip((values, *fields), (step.exchanged.values, *step.fields)):
+      for i, value in zip(group, group_values if field is not None else ()):
+        field[i] = value
+    status = status + jnp.stack([step.exchanged.flag, step.exchanged.overflowed])
+    coded_bytes = coded_bytes + step.exchanged.coded_bytes
+    coded_symbols += step.symbols
+  return _Stepped(values, fields, status, coded_bytes, coded_symbols)
 
 
 class _LeafFields(NamedTuple):
