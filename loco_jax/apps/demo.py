@@ -278,9 +278,9 @@ def co3_record(states: Sequence[Any], found: Sequence[Any], n_params: int, devic
   per_shard = any(c.op == "all-to-all" for c in gradient_collectives(found))
   return {"exchange": "all_to_all" if per_shard else "all_gather", "gather": gather,
           "coded_bits": round(float(np.mean([np.mean(s.coded_bits) for s in states])), 4),
-          "slot_bits_per_param": round(slot_bits / (devices if per_shard else 1), 4),
+          "slot_bits_per_param": round(slot_bits, 4),
           "predicted_wire_bits": round(co3_exchange.predicted_bits(
-              devices, slot_bits / (devices if per_shard else 1), gather, per_shard), 4),
+              devices, slot_bits, gather, per_shard), 4),
           "wire_bits_with_overflow_path": round(comm.wire_bits_per_param(
               found, n_params, include_conditional=True), 4),
           "overflow_steps": int(last.overflows), "rejected_steps": int(last.rejected),

@@ -157,7 +157,10 @@ def update(settings: Co3Settings, updates: Any, state: Co3State) -> tuple[Any, C
   if not parts.chosen:
     return updates, state
   stepped = _step_groups(settings, parts, state)
-  flag, overflowed = parts.agree(stepped.status)  # every shard, like every device, agrees
+  if settings.axis_name is None:  # nothing overflows without an exchange: agree on the flag
+    flag, overflowed = parts.agree(stepped.status[0]), jnp.float32(0)
+  else:  # every shard, like every device, keeps or skips the step
+    flag, overflowed = parts.agree(stepped.status)
   taken = jnp.isfinite(flag)
   kept = leaves.keep_if(taken, tuple(None if f is None else parts.tree(f)
                                      for f in stepped.fields), _fields(state))
