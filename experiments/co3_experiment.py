@@ -227,7 +227,8 @@ def record(task: Task, method: str, config: Config, state: Any, batch: Any) -> d
   values CO3 itself fits and codes (with its scale, and the entropies of a's symbols)."""
   import jax
   from loco_jax.codecs import fp, gennorm, huffman
-  from loco_jax.transforms.co3 import FORMATS, SATURATION_QUANTILE, fitted_scale
+  from loco_jax.transforms.co3 import FORMATS
+  from loco_jax.transforms.co3_host import SATURATION_QUANTILE, fitted_scale
   shard = jax.tree.map(lambda x: x[: len(x) // config.workers], batch)
   grads = matrices(task.grad_fn(state.params, shard))
   cs = state.compressor_state

@@ -20,7 +20,9 @@ from loco_jax.apps import demo_output
 from loco_jax.train import files
 
 METHODS = ("none", "bf16", "int4-noef", "ef4", "loco4", "loco4-fixed", "co3-fp4", "ef2", "ef3",
-           "loco2", "loco3")
+           "loco2", "loco3", "co3-fp8", "co3-fp4-coded")
+CO3_METHODS = {"co3-fp4": ("fp4", "bf16"), "co3-fp8": ("fp8", "bf16"),
+               "co3-fp4-coded": ("fp4", "coded")}  # method -> (fmt, gather)
 # Without --methods the demo runs these (the 2- and 3-bit methods are asked for by name).
 DEFAULT_METHODS = METHODS[:7]
 DESCRIPTIONS = {
@@ -30,7 +32,11 @@ DESCRIPTIONS = {
     "ef4": "4-bit absmax blocks, classic error feedback (beta=0, float32 error)",
     "loco4": "LoCo: 4-bit blocks, 8-bit error averaged with beta=0.8, reset every 1024",
     "loco4-fixed": "LoCo with the paper's one fixed scale s (default 2**17) and s_e = 4s",
-    "co3-fp4": "CO3: fp4 with a GenNorm-fitted scale, Huffman, error decay gamma=0.7",
+    "co3-fp4": "CO3: fp4 with a GenNorm-fitted scale, Huffman, error decay gamma=0.7; each "
+               "device's shard Huffman-coded through one all-to-all, bf16 all-gather",
+    "co3-fp8": "CO3 as co3-fp4, in fp8 [1,5,2]",
+    "co3-fp4-coded": "CO3 as co3-fp4, the averaged shards converted to fp4 again (own decaying "
+                     "error) and Huffman-coded in the all-gather",
     "ef2": "2-bit absmax blocks, classic error feedback (beta=0, float32 error)",
     "ef3": "3-bit absmax blocks, classic error feedback (beta=0, float32 error)",
     "loco2": "LoCo at 2 bits with loco(bits=2)'s defaults: blocks of 128 scaled to 1.5 x rms "
@@ -88,11 +94,13 @@ class MethodResult(NamedTuple):
   compile_s: float
   state_bytes_per_device: int    # the compressor's state on one device
   collectives: list[Any]         # comm.Collective of the lowered step
+  co3: dict | None = None        # co3 methods: `co3_record`
 
   def as_json(self) -> dict[str, Any]:
     """The results.json record; a diverged (non-finite) loss is null."""
     finite = lambda v: v if not isinstance(v, float) or math.isfinite(v) else None
-    return {k: finite(getattr(self, k)) for k in RESULT_KEYS}
+    record = {k: finite(getattr(self, k)) for k in RESULT_KEYS}
+    return record if self.co3 is None else {**record, "co3": self.co3}
 
 
 class DemoError(ValueError):
@@ -114,7 +122,7 @@ def co3_status() -> str | None:
 
 def available_methods() -> tuple[str, ...]:
   """METHODS, less co3-fp4 while loco_jax.co3 is missing."""
-  return tuple(m for m in METHODS if m != "co3-fp4" or co3_status() is None)
+  return tuple(m for m in METHODS if m not in CO3_METHODS or co3_status() is None)
 
 
 def make_compressor(method: str, config: DemoConfig = DemoConfig(),
@@ -142,11 +150,14 @@ def make_compressor(method: str, config: DemoConfig = DemoConfig(),
   if method == "loco4-fixed":
     s = config.fixed_scale
     return loco(bits=4, scale=s, error_scale=4 * s, block_size=b, axis_name=axis_name)
-  if method == "co3-fp4":
+  if method in CO3_METHODS:
     why = co3_status()
     if why:
-      raise DemoError(f"method co3-fp4 is unavailable: {why}")
-    return importlib.import_module("loco_jax.co3").co3(fmt="fp4", gamma=0.7, axis_name=axis_name)
+      raise DemoError(f"method {method} is unavailable: {why}")
+    fmt, gather = CO3_METHODS[method]
+    return importlib.import_module("loco_jax.co3").co3(
+        fmt=fmt, gamma=0.7, axis_name=axis_name,
+        **({"gather": gather} if axis_name is not None else {}))
   raise DemoError(f"unknown method {method!r}; accepted: {', '.join(METHODS)}")
 
 
@@ -254,6 +265,28 @@ def gradient_bits(found: Sequence[Any], n_params: int) -> float:
   return 8.0 * nbytes / n_params
 
 
+def co3_record(states: Sequence[Any], found: Sequence[Any], n_params: int, devices: int,
+               gather: str) -> dict[str, Any]:
+  """What a co3 run measured beside what its compiled program sends: the coded bits a symbol
+  (mean over steps and devices), the gradient slots' bits from the HLO (the capacity: what is
+  sent), the wire bits co3_exchange.predicted_bits gives for those slots, overflow and
+  rejected steps."""
+  from loco_jax import comm
+  from loco_jax.transforms import co3_exchange
+  last = states[-1]
+  slot_bits = gradient_bits(found, n_params)
+  per_shard = any(c.op == "all-to-all" for c in gradient_collectives(found))
+  return {"exchange": "all_to_all" if per_shard else "all_gather", "gather": gather,
+          "coded_bits": round(float(np.mean([np.mean(s.coded_bits) for s in states])), 4),
+          "slot_bits_per_param": round(slot_bits, 4),
+          "predicted_wire_bits": round(co3_exchange.predicted_bits(
+              devices, slot_bits, gather, per_shard), 4),
+          "wire_bits_with_overflow_path": round(comm.wire_bits_per_param(
+              found, n_params, include_conditional=True), 4),
+          "overflow_steps": int(last.overflows), "rejected_steps": int(last.rejected),
+          "steps": len(states)}
+
+
 def per_device_bytes(tree: Any) -> int:
   """Bytes one device holds of a pytree of (possibly sharded) jax arrays."""
   import jax
@@ -295,6 +328,7 @@ def run_method(name: str, compressor, config: DemoConfig, corpus: Corpus,
     >>> config = DemoConfig(steps=20)
     >>> result = run_method("loco4", make_compressor("loco4"), config, load_corpus(config))
   """
+  import jax
   import jax.numpy as jnp
   from loco_jax import comm
   from loco_jax.train import parallel
@@ -314,12 +348,15 @@ def run_method(name: str, compressor, config: DemoConfig, corpus: Corpus,
   found = comm.collectives(lowered.as_text(dialect="hlo"), config.devices)
   compiled = lowered.compile()
   compile_s = time.perf_counter() - start
-  losses, times = [], []
+  losses, times, co3_states = [], [], []
   for i, batch in enumerate(batches):
     t0 = time.perf_counter()
     state, loss = compiled(state, jnp.asarray(batch))
     losses.append(float(loss))
     times.append(time.perf_counter() - t0)
+    if name in CO3_METHODS:  # the counters and measured bits, not the errors
+      co3_states.append(jax.device_get(state.compressor_state._replace(
+          error=None, scale=None, shard_error=None, shard_scale=None)))
     if observe:
       observe(state, i + 1)
     if progress:
@@ -334,7 +371,9 @@ def run_method(name: str, compressor, config: DemoConfig, corpus: Corpus,
       step_time_s=float(np.median(times[1:] if len(times) > 1 else times)),
       losses=losses, compile_s=compile_s,
       state_bytes_per_device=per_device_bytes(state.compressor_state),
-      collectives=list(found))
+      collectives=list(found),
+      co3=co3_record(co3_states, found, n_params, config.devices,
+                     CO3_METHODS[name][1]) if co3_states else None)
 
 
 # --- Command line ---------------------------------------------------------------------------------
@@ -422,7 +461,7 @@ def config_from_args(args: argparse.Namespace) -> DemoConfig:
 def _choose_methods(text: str | None) -> tuple[list[str], dict[str, str]]:
   """(methods to run, {method: why unavailable}); DemoError on unknown names."""
   why = co3_status()
-  unavailable = {"co3-fp4": why} if why else {}
+  unavailable = dict.fromkeys(CO3_METHODS, why) if why else {}
   if text is None:
     return [m for m in DEFAULT_METHODS if m not in unavailable], unavailable
   chosen = [m.strip() for m in text.split(",") if m.strip()]

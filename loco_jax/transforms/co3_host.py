@@ -1,102 +1,97 @@
-"""CO3's host side: the Huffman coding of each device's symbols in callbacks, and the decoding
-of every peer's stream (each decoded once per host, shared by the devices of the host)."""
+"""CO3's scales: the GenNorm fit of each leaf (on the host, every `refit_interval` steps), the
+absmax fallback for leaves with nothing to fit, and the capacity the fitted model implies."""
 
-import collections
-import concurrent.futures
-import threading
+import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
-from jax.experimental.buffer_callback import buffer_callback
 
-from loco_jax.codecs import huffman
+from loco_jax.codecs import fp, gennorm
+from loco_jax.comm import coded
+from loco_jax.core import leaves
+
+FIT_SAMPLES = 65_536      # per leaf, strided: the fit needs the shape, not every value
+CAPACITY_MARGIN_BITS = 0.3
+MIN_BETA = 0.35           # below it p(beta) is not a fit any more
+SATURATION_QUANTILE = 0.99
 
 
-def _host(fn, result, *args):
-  """Runs the numpy function `fn(*args)` on the host (once per device under shard_map).
+def fitted_scale(fmt: fp.FloatFormat, beta: float, alpha: float) -> float:
+  """The scale CO3 uses for a GenNorm(beta, alpha) layer: p(beta)/alpha for fp4, else 1/alpha.
 
-  On the CPU backend, jax.pure_callback copies its arguments onto CPU device 0, which under
-  shard_map may be blocked in a collective waiting for this very callback: a deadlock.
-  buffer_callback hands over the buffers themselves instead.
+  p is fitted for beta >= 0.35 (REFERENCES.md), so smaller shapes use p(0.35). For fp8 the MSE
+  hardly depends on the scale while values stay in range, and 1/alpha keeps them far from both
+  its subnormals and its maximum.
   """
-  if jax.default_backend() != "cpu":
-    return jax.pure_callback(fn, result, *args)
-
-  def run(ctx, out, *buffers):
-    del ctx
-    values = fn(*[np.asarray(b) for b in buffers])
-    for buffer, value in zip(jax.tree.leaves(out), jax.tree.leaves(values)):
-      np.asarray(buffer)[...] = value
-  return buffer_callback(run, result)(*args)
+  return gennorm.fp4_scale(max(beta, MIN_BETA), alpha) if fmt == fp.FP4 else 1.0 / alpha
 
 
-def _encode(symbols: np.ndarray, pairs: bool) -> bytes:
-  # Pairs of fp4 symbols as one letter close most of Huffman's gap to the entropy.
-  return huffman.encode_pairs(symbols) if pairs else huffman.encode(symbols)
+def default_capacity_bits(fmt: fp.FloatFormat) -> float:
+  """Bits per symbol that a coded slot reserves: the largest entropy of the fitted model over
+  beta in [0.2, 3] (gradients seen in practice), plus a margin for Huffman's own overhead.
+  """
+  betas = np.linspace(0.2, 3.0, 15)
+  worst = max(gennorm.entropy_bits(fmt, b, 1.0, fitted_scale(fmt, b, 1.0)) for b in betas)
+  return min(worst + CAPACITY_MARGIN_BITS, float(fmt.bits))
 
 
-def _code(symbols: np.ndarray, capacity: int, pairs: bool) -> tuple[np.ndarray, np.ndarray]:
-  """Host side: Huffman-codes one device's symbols into a fixed-capacity buffer plus length."""
-  data = _encode(symbols, pairs)
-  if len(data) <= capacity:  # this host will receive the stream back: it need not decode it
-    known, first = _claim((data, symbols.size))
-    if first:
-      known.set_result(symbols.copy())  # the callback's buffer does not outlive the call
-  buffer = np.zeros(capacity, np.uint8)
-  kept = min(len(data), capacity)
-  buffer[:kept] = np.frombuffer(data, np.uint8)[:kept]
-  return buffer, np.int32(len(data))
+def absmax_scale(fmt: fp.FloatFormat, absmax, fallback):
+  """max_value / absmax inside fp.scale_range (numpy or jnp); `fallback` where absmax is 0."""
+  xp = jnp if isinstance(absmax, jax.Array) else np
+  low, high = fp.scale_range(fmt)
+  with np.errstate(divide="ignore", over="ignore"):  # absmax 0: replaced by the fallback
+    scale = xp.clip(fp.max_value(fmt) / absmax, low, high).astype(np.float32)
+  return xp.where(absmax > 0, scale, fallback)
 
 
-# Decoded streams of the last few steps, by (coded bytes, symbol count). Devices that share a
-# host decode the same peers' streams, each in its own callback thread at the same moment: each
-# stream is decoded once, by the first thread to reach it, or not at all if this host coded it.
-_DECODED: "collections.OrderedDict[tuple[bytes, int], concurrent.futures.Future]" = (
-    collections.OrderedDict())
-_DECODED_LOCK = threading.Lock()
-DECODED_KEPT = 64  # streams: a few steps of a host's devices
+def fit_scales(fmt: fp.FloatFormat, sizes: tuple[int, ...], previous: np.ndarray,
+               absmax: np.ndarray, samples: np.ndarray) -> np.ndarray:
+  """Host side: one GenNorm fit per leaf, inside fp.scale_range.
 
-
-def _claim(key: tuple[bytes, int]) -> tuple[concurrent.futures.Future, bool]:
-  """The cache entry for `key`, and whether this call created it (and so must fill it)."""
-  with _DECODED_LOCK:
-    entry = _DECODED.get(key)
-    if entry is not None:
-      return entry, False
-    entry = _DECODED[key] = concurrent.futures.Future()
-    while len(_DECODED) > DECODED_KEPT:
-      _DECODED.popitem(last=False)
-    return entry, True
-
-
-def _decoded(data: bytes, total: int) -> concurrent.futures.Future:
-  """The decoded stream, decoded here if no other thread has started on it."""
-  entry, first = _claim((data, total))
-  if first:
+  A leaf that cannot be fitted (fewer than two non-zero sampled values) takes the absmax
+  scale of the whole leaf, or keeps its scale if the leaf is all zeros.
+  """
+  scales, start = np.array(previous, np.float32), 0
+  low, high = fp.scale_range(fmt)
+  for i, n in enumerate(sizes):
+    x = samples[start:start + n]
+    start += n
+    # Exact zeros (dead units, unused embedding rows) are coded exactly at any scale; left in,
+    # a few percent of them pull the fitted beta to its floor and the scale with it.
+    x = x[x != 0]
     try:
-      symbols = huffman.decode(data, max_symbols=total)
-      if symbols.size != total:  # numpy would broadcast a lone symbol over the whole row
-        raise ValueError(f"co3: a peer's stream holds {symbols.size} symbols, this step's "
-                         f"row holds {total}: the peer coded other gradients.")
-      entry.set_result(symbols)
-    except Exception as e:  # noqa: BLE001 - every thread gets the same ValueError
-      entry.set_exception(e)
-  return entry
+      fit = gennorm.fit(x)
+    except ValueError:  # all zeros or a single value: nothing to fit
+      scales[i] = absmax_scale(fmt, np.float32(absmax[i]), scales[i])
+      continue
+    # Where the data are heavier-tailed than the fit (tiny beta), cap the scale so that at
+    # most 1% of the values saturate.
+    tail = np.quantile(np.abs(x), SATURATION_QUANTILE)
+    cap = fp.max_value(fmt) / tail if tail > 0 else np.inf
+    # Clipped so that no level overflows on the way back, nor the scale underflows (fp8's
+    # 1 / alpha of data near float32's maximum would be a denormal, flushed to 0).
+    scales[i] = np.clip(min(fitted_scale(fmt, fit.beta, fit.alpha), cap), low, high)
+  return scales
 
 
-def _decode_all(buffers: np.ndarray, lengths: np.ndarray, total: int) -> np.ndarray:
-  """Host side: decodes every device's buffer (untrusted input: huffman.decode checks it)."""
-  out = np.zeros((buffers.shape[0], total), np.uint8)
-  # Streams another thread is decoding are skipped, then waited for: the threads share the work.
-  decoded = {d: _decoded(buffers[d, :lengths[d]].tobytes(), total)
-             for d in range(buffers.shape[0])
-             if lengths[d] <= buffers.shape[1]}  # an overflowed device's symbols come another way
-  for d, stream in decoded.items():
-    out[d] = stream.result()
-  return out
+def _refit(fmt: fp.FloatFormat, values: list[jax.Array], old_scales: jax.Array,
+           absmax: jax.Array) -> jax.Array:
+  """New per-leaf scales from one host call over strided samples of every leaf."""
+  samples = [a[:: max(1, a.size // FIT_SAMPLES)][:FIT_SAMPLES] for a in values]
+  sizes = tuple(s.size for s in samples)
+  fitted = coded.host_call(functools.partial(fit_scales, fmt, sizes),
+                           jax.ShapeDtypeStruct(old_scales.shape, jnp.float32),
+                           old_scales, absmax, jnp.concatenate(samples))
+  return leaves.vary_like(fitted, old_scales)  # typed replicated; it is this device's own
 
 
-def _roundtrip(symbols: np.ndarray, pairs: bool) -> tuple[np.ndarray, np.ndarray]:
-  """Host side, local mode: encode then decode, so the codec is inside the training loop."""
-  data = _encode(symbols, pairs)
-  return huffman.decode(data, max_symbols=symbols.size), np.int32(len(data))
+def leaf_scales(fmt: fp.FloatFormat, values: list[jax.Array], old_scales: jax.Array,
+                refit: jax.Array) -> jax.Array:
+  """float32 [leaves]: each leaf's scale, refitted where `refit`, else kept; a leaf with fewer
+  than two non-zero values has no shape to fit and takes max_value / max|x| every step."""
+  absmax = jnp.stack([jnp.max(jnp.abs(a)) for a in values])
+  fitted = jax.lax.cond(refit, lambda: _refit(fmt, values, old_scales, absmax),
+                        lambda: old_scales)
+  unfittable = jnp.stack([jnp.count_nonzero(a) < 2 for a in values])
+  return jnp.where(unfittable, absmax_scale(fmt, absmax, fitted), fitted)

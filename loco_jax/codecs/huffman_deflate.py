@@ -1,0 +1,117 @@
+"""Fast Huffman coding of byte rows: zlib's Huffman-only deflate behind a checked header.
+
+The wire format of CO3's coded exchange. zlib's `Z_HUFFMAN_ONLY` strategy writes deflate
+blocks of dynamic Huffman codes for the bytes and never an LZ77 match: pure Huffman coding,
+one code table per block of about 32K bytes (carried in the block's header), from Python's
+standard library. For fp4 a byte is a pair of symbols (`first << 4 | second`), which closes
+most of Huffman's gap to the entropy, as `huffman.encode_pairs` does.
+
+Stream: "LD", version 1, the byte count (LEB128 varint), the CRC32 of the bytes (4 bytes,
+little-endian), then raw deflate (no zlib header). `decode` treats the stream as untrusted:
+whatever is not a stream of exactly the expected bytes raises ValueError (wrong magic,
+version or count, truncation, trailing bytes, a deflate error, a CRC mismatch), and it never
+produces more than the expected count (memory is bounded by the caller's `size`).
+
+Example:
+  >>> data = np.array([0, 0, 1, 9], np.uint8)
+  >>> decode(encode(data), 4)
+  array([0, 0, 1, 9], dtype=uint8)
+"""
+
+import zlib
+
+import numpy as np
+
+MAGIC = b"LD"
+VERSION = 1
+# Deflate blocks: zlib ends one every 2**(MEM_LEVEL + 6) - 1 bytes; a dynamic block's header
+# (its code lengths, themselves Huffman-coded) takes about BLOCK_HEADER_BYTES for 257 letters
+# (docs/EXPERIMENTS_CO3.md). `overhead` is what a slot reserves, not a bound: a stream that
+# does not fit is sent raw (comm.coded), so nothing is lost where it is short.
+MEM_LEVEL = 9
+BLOCK_BYTES = (1 << (MEM_LEVEL + 6)) - 1
+BLOCK_HEADER_BYTES = 128
+# magic, version, a varint of up to 2**35, the CRC32, deflate's final empty block
+HEADER_BYTES = 2 + 1 + 5 + 4 + 8
+
+
+def encode(data: np.ndarray) -> bytes:
+  """The stream of uint8 `data` (any shape, read flat).
+
+  Args:
+    data: uint8 array.
+
+  Returns:
+    The stream: header, then the Huffman-only deflate of the bytes.
+  """
+  data = np.ascontiguousarray(data)
+  if data.dtype != np.uint8:
+    raise ValueError(f"huffman_deflate.encode takes uint8 data, got {data.dtype}")
+  packer = zlib.compressobj(1, zlib.DEFLATED, -15, MEM_LEVEL, zlib.Z_HUFFMAN_ONLY)
+  header = MAGIC + bytes([VERSION]) + _varint(data.size) + zlib.crc32(data).to_bytes(4, "little")
+  return header + packer.compress(data) + packer.flush()
+
+
+def overhead(size: int) -> int:
+  """The most bytes a stream of `size` bytes spends beyond its Huffman payload."""
+  return HEADER_BYTES + BLOCK_HEADER_BYTES * max(1, -(-size // BLOCK_BYTES))
+
+
+def decode(stream, size: int) -> np.ndarray:
+  """The `size` bytes of a stream made by `encode`; ValueError for anything else.
+
+  Args:
+    stream: bytes-like (bytes, bytearray, memoryview, a uint8 array).
+    size: the byte count the caller expects; a stream of another count is refused.
+
+  Returns:
+    uint8 [size].
+  """
+  try:
+    view = memoryview(stream).cast("B")
+  except TypeError as e:
+    raise TypeError(f"huffman_deflate.decode takes bytes, got {type(stream).__name__}") from e
+  if bytes(view[:3]) != MAGIC + bytes([VERSION]):
+    raise ValueError(f"not a version-{VERSION} {MAGIC!r} stream: it starts {bytes(view[:3])!r}")
+  count, at = _read_varint(view, 3)
+  if count != size:
+    raise ValueError(f"the stream holds {count} bytes, {size} were expected")
+  if len(view) < at + 4:
+    raise ValueError("truncated stream: the CRC32 is cut off")
+  crc = int.from_bytes(view[at:at + 4], "little")
+  inflater = zlib.decompressobj(-15)
+  try:  # at most size + 1 bytes: a longer stream shows itself without growing further
+    out = inflater.decompress(view[at + 4:], size + 1)
+  except zlib.error as e:
+    raise ValueError(f"corrupt stream: deflate says {e}") from None
+  if len(out) != size or not inflater.eof:
+    raise ValueError(f"corrupt or truncated stream: it decodes to {len(out)} bytes"
+                     f"{'' if inflater.eof else ' and does not end'}, {size} were expected")
+  if inflater.unused_data or inflater.unconsumed_tail:
+    raise ValueError("corrupt stream: bytes follow the end of the deflate data")
+  if zlib.crc32(out) != crc:
+    raise ValueError("corrupt stream: the CRC32 of the decoded bytes does not match")
+  return np.frombuffer(out, np.uint8)
+
+
+def _varint(value: int) -> bytes:
+  out = bytearray()
+  while True:
+    byte, value = value & 0x7F, value >> 7
+    out.append(byte | (0x80 if value else 0))
+    if not value:
+      return bytes(out)
+
+
+def _read_varint(view: memoryview, at: int) -> tuple[int, int]:
+  value = 0
+  for i in range(5):
+    if at + i >= len(view):
+      raise ValueError("truncated stream: the byte count is cut off")
+    byte = view[at + i]
+    value |= (byte & 0x7F) << (7 * i)
+    if not byte & 0x80:
+      if i and not byte:
+        raise ValueError("corrupt stream: the byte count is a non-minimal varint")
+      return value, at + i + 1
+  raise ValueError("corrupt stream: the byte count is longer than 5 bytes")

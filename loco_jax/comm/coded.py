@@ -1,0 +1,140 @@
+"""A coded exchange: byte rows entropy-coded on the host into fixed-capacity slots of one
+all-to-all (or all-gather), decoded on the host where they arrive; the raw exchange beside it.
+
+What crosses is each slot at its capacity (collectives have static shapes), its stream's
+length and a few float32 side numbers per row (scales, flags). A stream longer than its slot
+is not sent: the receiver counts the slot as overflowed, and one that does not decode to
+exactly its row as corrupt; `Received.missing` carries both counts, and the caller decides
+(through a later collective, so that every device decides alike) whether to redo the exchange
+raw or to skip the step. Nothing here knows what the bytes mean: CO3 sends pairs of fp4
+symbols (or fp8 symbols), LoCo's packed 4-bit codes (`quant.pack`) go through the same calls.
+
+Entry points: `all_to_all` (row j to device j: a reduce-scatter's first half), `all_gather`,
+and `raw_all_to_all` / `raw_all_gather` with the same results for the uncoded path.
+
+Example (inside jax.shard_map over "data", n devices):
+  >>> coder = ByteCoder(huffman_deflate.encode, huffman_deflate.decode,
+  ...                   huffman_deflate.overhead)                        # doctest: +SKIP
+  >>> capacity = slot_bytes(rows.shape[1], 4.0, coder)                   # doctest: +SKIP
+  >>> got = all_to_all(rows, side, capacity, coder, "data")              # doctest: +SKIP
+  >>> got.rows[s], got.side[s]  # what device s sent here, its side numbers  # doctest: +SKIP
+"""
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from loco_jax.comm import wire
+from loco_jax.comm.coded_host import (ByteCoder, fill_slots, host_call, read_slots,  # noqa: F401
+                                      slot_bytes, tampering)
+from loco_jax.core import leaves
+from loco_jax.core.layout import AxisName
+
+
+class Received(NamedTuple):
+  """What one device received: row s (and its side numbers) came from device s."""
+  rows: jax.Array         # uint8 [n, B]; zeros where a slot is missing
+  side: jax.Array         # float32 [n, S]
+  missing: jax.Array      # int32 [2]: slots here that [overflowed, did not decode]; raw: zeros
+  coded_bytes: jax.Array  # int32: bytes of the streams this device coded (raw: 0)
+
+
+def _as_bytes(x: jax.Array) -> jax.Array:
+  """[rows, ...] int32 or float32 -> [rows, 4 * ...] uint8, a bitcast."""
+  return jax.lax.bitcast_convert_type(x, jnp.uint8).reshape(x.shape[0], -1)
+
+
+def _from_bytes(b: jax.Array, dtype) -> jax.Array:
+  return jax.lax.bitcast_convert_type(b.reshape(b.shape[0], -1, 4), dtype)
+
+
+def _frame(*parts: jax.Array) -> tuple[jax.Array, list[int]]:
+  """[rows, k_i] uint8 parts side by side, and where each one starts."""
+  starts = [0]
+  for p in parts:
+    starts.append(starts[-1] + p.shape[1])
+  return jnp.concatenate(parts, axis=1), starts
+
+
+def _code(rows_NxB: jax.Array, capacity: int, coder: ByteCoder, sender: jax.Array,
+          skip: int | jax.Array) -> tuple[jax.Array, jax.Array]:
+  """One host call: every row coded into its slot -> (uint8 [N, capacity], int32 [N])."""
+  n = rows_NxB.shape[0]
+  shapes = (jax.ShapeDtypeStruct((n, capacity), jnp.uint8), jax.ShapeDtypeStruct((n,), jnp.int32))
+  out = host_call(functools.partial(_fill, capacity=capacity, coder=coder), shapes, rows_NxB,
+                  sender, jnp.asarray(skip, jnp.int32))
+  return leaves.vary_like(out, rows_NxB)
+
+
+def _fill(rows, sender, skip, capacity, coder):
+  return fill_slots(rows, sender, capacity, coder, int(skip))
+
+
+def _decode(slots_NxC: jax.Array, lengths: jax.Array, own_B: jax.Array, me: jax.Array,
+            coder: ByteCoder) -> tuple[jax.Array, jax.Array]:
+  """One host call: every peer's slot decoded -> (uint8 [N, B], int32 [2] missing)."""
+  n, size = slots_NxC.shape[0], own_B.shape[0]
+  shapes = (jax.ShapeDtypeStruct((n, size), jnp.uint8), jax.ShapeDtypeStruct((2,), jnp.int32))
+  out = host_call(functools.partial(read_slots, coder=coder), shapes, slots_NxC, lengths,
+                  own_B, me)
+  return leaves.vary_like(out, slots_NxC)
+
+
+def all_to_all(rows_NxB: jax.Array, side_NxS: jax.Array, capacity: int, coder: ByteCoder,
+               axis_name: AxisName) -> Received:
+  """Row j of `rows_NxB` (uint8) coded into a slot of `capacity` bytes, sent to device j with
+  row j of `side_NxS` (float32) in ONE all-to-all; every slot received here decoded.
+
+  Args:
+    rows_NxB: uint8 [n, B], n the size of `axis_name`: row j is device j's.
+    side_NxS: float32 [n, S] numbers sent beside each row, uncoded.
+    capacity: bytes of a slot (`slot_bytes`).
+    coder: the host coder.
+    axis_name: the mesh axis (inside jax.shard_map).
+
+  Returns:
+    `Received`: row s is device s's row j for this device j; this device's own row is never
+    coded (it does not cross the wire).
+  """
+  me = jax.lax.axis_index(axis_name)
+  slots, lengths = _code(rows_NxB, capacity, coder, me, me)
+  buffer, at = _frame(slots, _as_bytes(lengths[:, None]), _as_bytes(side_NxS))
+  received = wire.all_to_all(buffer, axis_name)
+  own = jax.lax.dynamic_index_in_dim(rows_NxB, me, keepdims=False)
+  got_lengths = _from_bytes(received[:, at[1]:at[2]], jnp.int32)[:, 0]
+  rows, missing = _decode(received[:, :at[1]], got_lengths, own, me, coder)
+  return Received(rows, _from_bytes(received[:, at[2]:], jnp.float32), missing,
+                  jnp.sum(jnp.where(lengths > 0, lengths, 0)))
+
+
+def all_gather(row_B: jax.Array, side_S: jax.Array, capacity: int, coder: ByteCoder,
+               axis_name: AxisName) -> Received:
+  """`row_B` (uint8) coded into a slot of `capacity` bytes and all-gathered with `side_S`
+  (float32); every peer's slot decoded here. Every device receives the same slots, so the
+  overflow counts (`Received.missing[0]`) agree; what fails to decode is found by each
+  receiver of it, but not by its sender: agree on it through a later collective."""
+  me = jax.lax.axis_index(axis_name)
+  slot, length = _code(row_B[None], capacity, coder, me, -1)
+  buffer, at = _frame(slot, _as_bytes(length[:, None]), _as_bytes(side_S[None]))
+  gathered = wire.all_gather(buffer, axis_name)
+  got_lengths = _from_bytes(gathered[:, at[1]:at[2]], jnp.int32)[:, 0]
+  rows, missing = _decode(gathered[:, :at[1]], got_lengths, row_B, me, coder)
+  return Received(rows, _from_bytes(gathered[:, at[2]:], jnp.float32), missing, length[0])
+
+
+def raw_all_to_all(rows_NxB: jax.Array, side_NxS: jax.Array, axis_name: AxisName) -> Received:
+  """`all_to_all` without coding: the rows as they are."""
+  buffer, at = _frame(rows_NxB, _as_bytes(side_NxS))
+  received = wire.all_to_all(buffer, axis_name)
+  return Received(received[:, :at[1]], _from_bytes(received[:, at[1]:], jnp.float32),
+                  jnp.zeros(2, jnp.int32), jnp.int32(0))
+
+
+def raw_all_gather(row_B: jax.Array, side_S: jax.Array, axis_name: AxisName) -> Received:
+  """`all_gather` without coding: the row as it is."""
+  buffer, at = _frame(row_B[None], _as_bytes(side_S[None]))
+  gathered = wire.all_gather(buffer, axis_name)
+  return Received(gathered[:, :at[1]], _from_bytes(gathered[:, at[1]:], jnp.float32),
+                  jnp.zeros(2, jnp.int32), jnp.int32(0))

@@ -1,0 +1,119 @@
+"""The host side of the coded exchange: calls into numpy from a step, and the slots' coding.
+
+Callbacks run once per device under shard_map, from several host threads at once: everything
+here is a pure function of its arguments (the coder must be thread-safe too), except the test
+hook `tampering`, which is only read.
+"""
+
+import contextlib
+import math
+from typing import Callable, Iterator, NamedTuple
+
+import jax
+import numpy as np
+from jax.experimental.buffer_callback import buffer_callback
+
+
+class ByteCoder(NamedTuple):
+  """A lossless coder of byte rows, run on the host; every function must be thread-safe.
+
+  `decode(stream, size)` must return exactly `size` bytes or raise ValueError: the stream comes
+  from another device and is untrusted (`codecs.huffman_deflate` is one such coder).
+  """
+  encode: Callable[[np.ndarray], bytes]         # uint8 [size] -> stream
+  decode: Callable[[memoryview, int], np.ndarray]  # stream, size -> uint8 [size]
+  overhead: Callable[[int], int]                # most bytes a stream spends beyond its payload
+
+
+def slot_bytes(size: int, bits_per_byte: float, coder: ByteCoder) -> int:
+  """The capacity of a slot for `size` bytes coded at up to `bits_per_byte` bits a byte."""
+  return math.ceil(bits_per_byte * size / 8) + coder.overhead(size)
+
+
+def host_call(fn: Callable, result, *args):
+  """`fn(*numpy arrays)` on the host, once per device under shard_map; `result`: its shapes.
+
+  On the CPU backend jax.pure_callback copies its arguments onto CPU device 0, which under
+  shard_map may be blocked in a collective waiting for this very callback: a deadlock.
+  buffer_callback hands over the buffers themselves instead (no copy either way).
+  """
+  if jax.default_backend() != "cpu":
+    return jax.pure_callback(fn, result, *args)
+
+  def run(ctx, out, *buffers):
+    del ctx
+    values = fn(*[np.asarray(b) for b in buffers])
+    for buffer, value in zip(jax.tree.leaves(out), jax.tree.leaves(values)):
+      np.asarray(buffer)[...] = value
+  return buffer_callback(run, result)(*args)
+
+
+# A test hook: (sender, destination (-1: all, in a gather), stream) -> the stream sent instead.
+_tamper: list[Callable[[int, int, bytes], bytes]] = []
+
+
+@contextlib.contextmanager
+def tampering(hook: Callable[[int, int, bytes], bytes]) -> Iterator[None]:
+  """Streams coded inside (host side, every device) are replaced by `hook`'s result: for tests
+  of what receivers do with a peer's short, truncated or corrupt stream."""
+  _tamper.append(hook)
+  try:
+    yield
+  finally:
+    _tamper.remove(hook)
+
+
+def fill_slots(rows_NxB: np.ndarray, sender: np.ndarray, capacity: int, coder: ByteCoder,
+               skip: int) -> tuple[np.ndarray, np.ndarray]:
+  """Codes each row into its slot: (uint8 [N, capacity], int32 [N] stream lengths).
+
+  A stream longer than the capacity keeps its true length (the receiver sees the overflow) and
+  an empty slot; row `skip` (this device's own, which never crosses the wire; -1: none) is not
+  coded and has length 0.
+  """
+  slots = np.zeros((rows_NxB.shape[0], capacity), np.uint8)
+  lengths = np.zeros(rows_NxB.shape[0], np.int32)
+  for j, row in enumerate(rows_NxB):
+    if j == skip:
+      continue
+    stream = coder.encode(row)
+    for hook in _tamper:
+      stream = hook(int(sender), j if skip >= 0 else -1, stream)
+    lengths[j] = len(stream)
+    if len(stream) <= capacity:
+      slots[j, :len(stream)] = np.frombuffer(stream, np.uint8)
+  return slots, lengths
+
+
+def read_slots(slots_NxC: np.ndarray, lengths: np.ndarray, own_B: np.ndarray, me: np.ndarray,
+               coder: ByteCoder) -> tuple[np.ndarray, np.ndarray]:
+  """Decodes every peer's slot: (uint8 [N, B] rows, int32 [2] slots [overflowed, corrupt]).
+
+  Row `me` is this device's own row `own_B`. A peer's slot whose stream overflowed, or that
+  does not decode to exactly B bytes, is left as zeros and counted: the caller must not use
+  those rows.
+  """
+  me, size = int(me), own_B.size
+  rows = np.zeros((slots_NxC.shape[0], size), np.uint8)
+  missing = np.zeros(2, np.int32)
+  for s, length in enumerate(lengths.tolist()):
+    # This device's own slot counts too: in a gather every device sees the same lengths, and
+    # all must count alike.
+    overflowed = length > slots_NxC.shape[1]
+    missing[0] += overflowed
+    if s == me:
+      rows[s] = own_B
+    elif overflowed:
+      continue
+    elif length < 0:
+      missing[1] += 1
+    else:
+      try:
+        decoded = coder.decode(memoryview(slots_NxC[s, :length]), size)
+      except ValueError:
+        decoded = None
+      if decoded is None or decoded.shape != (size,):  # numpy would broadcast a short row
+        missing[1] += 1
+      else:
+        rows[s] = decoded
+  return rows, missing

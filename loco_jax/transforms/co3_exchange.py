@@ -1,0 +1,256 @@
+"""CO3 on a mesh: every device serves 1/n of every leaf, as LoCo's exchange does.
+
+Per-shard exchange (`all_to_all`): each device lays its symbols out in rows, one per device
+(`comm.shard_rows`: row j is device j's shard of every leaf), codes each row into a slot of ONE
+all-to-all (`comm.coded`), decodes the n - 1 rows it receives, averages them in float32 with
+each sender's scales, and all-gathers its averaged shard: in bf16, or (`gather="coded"`)
+converted to the same small float with a decaying error of its own and coded again. A device
+sends (n-1)/n (C + 16) or (n-1)/n (C + C') bits a parameter for a coded rate C.
+
+Whole-gradient exchange (`all_gather`): each device's coded gradient is all-gathered and every
+device decodes and averages all of them: (n-1) C bits. `exchange="auto"` picks whichever
+`predicted_bits` says sends less on this axis (the all-gather at 2 devices, and with the bf16
+gather up to n = 1 + 16 / C).
+
+Status, replicated on every device: `flag` is 0, +inf where some receiver found a peer's
+stream corrupt, or NaN where some device saw a non-finite gradient (sums keep that meaning);
+`overflowed` is 1 where some stream did not fit its slot: the step's exchange then runs again,
+raw, inside a lax.cond that every device takes alike (lossless; the bytes are counted as
+conditional in the HLO).
+"""
+
+import functools
+import itertools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from loco_jax.codecs import fp, huffman_deflate
+from loco_jax import comm
+from loco_jax.comm import coded
+from loco_jax.core import layout, leaves, quant
+from loco_jax.transforms import co3_host
+
+GATHERS = ("bf16", "coded")
+EXCHANGES = ("auto", "all_to_all", "all_gather")
+CODER = coded.ByteCoder(huffman_deflate.encode, huffman_deflate.decode, huffman_deflate.overhead)
+
+
+class Co3Settings(NamedTuple):
+  """`co3()`'s arguments, checked and resolved."""
+  fmt: fp.FloatFormat
+  gamma: float
+  refit_interval: int
+  entropy_code: bool
+  axis_name: Any
+  capacity_bits: float     # per symbol, of a coded slot
+  gather: str
+  exchange: str
+  specs: Any
+
+
+class ShardState(NamedTuple):
+  """gather="coded": this device's averaged shard's own error feedback."""
+  errors: list             # float32 [shard_len] per leaf
+  scales: jax.Array        # float32 [leaves]
+
+
+class Exchanged(NamedTuple):
+  """One group of leaves after the exchange (see the module doc for `flag`, `overflowed`)."""
+  values: list             # float32 [size] per leaf: the mean over the axis
+  flag: jax.Array          # float32
+  overflowed: jax.Array    # float32 0 or 1
+  coded_bytes: jax.Array   # int32: bytes this device's coder produced (its uplink streams)
+  shard: ShardState | None
+
+
+def symbols_per_byte(fmt: fp.FloatFormat) -> int:
+  """fp4 symbols travel in pairs, one byte `first << 4 | second`; fp8 one a byte."""
+  return 2 if fmt.bits <= 4 else 1
+
+
+def predicted_bits(n: int, symbol_bits: float, gather: str, per_shard: bool) -> float:
+  """Bits a device sends per parameter a step at `symbol_bits` a symbol, scales aside."""
+  if per_shard:
+    return (n - 1) / n * (symbol_bits + (16.0 if gather == "bf16" else symbol_bits))
+  return (n - 1) * symbol_bits
+
+
+def is_per_shard(settings: Co3Settings, n: int) -> bool:
+  """Whether this axis of `n` devices runs the per-shard exchange (see the module doc)."""
+  if settings.exchange != "auto":
+    return settings.exchange == "all_to_all"
+  bits = settings.capacity_bits if settings.entropy_code else settings.fmt.bits
+  return (predicted_bits(n, bits, settings.gather, True)
+          < predicted_bits(n, bits, settings.gather, False))
+
+
+def _to_bytes(symbols_NxK: jax.Array, fmt: fp.FloatFormat) -> jax.Array:
+  if symbols_per_byte(fmt) == 1:
+    return symbols_NxK
+  pairs = symbols_NxK.reshape(*symbols_NxK.shape[:-1], -1, 2)
+  return (pairs[..., 0] << 4) | pairs[..., 1]
+
+
+def _from_bytes(bytes_NxB: jax.Array, fmt: fp.FloatFormat) -> jax.Array:
+  if symbols_per_byte(fmt) == 1:
+    return bytes_NxB
+  return jnp.stack([bytes_NxB >> 4, bytes_NxB & 15], axis=-1).reshape(bytes_NxB.shape[0], -1)
+
+
+def _rows(symbols: list, layouts: list, fmt: fp.FloatFormat) -> jax.Array:
+  """Per leaf uint8 [size] -> uint8 [rows, B]: row j holds device j's shard of every leaf."""
+  return jnp.concatenate([_to_bytes(layout.shard_rows(s, lay), fmt)
+                          for s, lay in zip(symbols, layouts)], axis=1)
+
+
+def _values(rows_NxB: jax.Array, scales_NxL: jax.Array, layouts: list,
+            fmt: fp.FloatFormat) -> list:
+  """Inverse of `_rows` for every sender: per leaf float32 [N, row_len], each row with its own
+  sender's scale."""
+  symbols_NxR, values, start = _from_bytes(rows_NxB, fmt), [], 0
+  for i, lay in enumerate(layouts):
+    values.append(fp.decode(symbols_NxR[:, start:start + lay.row_len], fmt,
+                            scales_NxL[:, i:i + 1]))
+    start += lay.row_len
+  return values
+
+
+def _corrupt(missing: jax.Array) -> jax.Array:
+  """+inf where some slot received here did not decode, else 0 (added to the flag)."""
+  return jnp.where(missing[1] > 0, jnp.inf, 0.0).astype(jnp.float32)
+
+
+def _send(settings: Co3Settings, rows_NxB, side_NxS, coded_path: bool) -> coded.Received:
+  if not coded_path:
+    return coded.raw_all_to_all(rows_NxB, side_NxS, settings.axis_name)
+  capacity = coded.slot_bytes(rows_NxB.shape[1], settings.capacity_bits
+                              * symbols_per_byte(settings.fmt), CODER)
+  return coded.all_to_all(rows_NxB, side_NxS, capacity, CODER, settings.axis_name)
+
+
+def _gather(settings: Co3Settings, row_B, side_S, coded_path: bool) -> coded.Received:
+  if not coded_path:
+    return coded.raw_all_gather(row_B, side_S, settings.axis_name)
+  capacity = coded.slot_bytes(row_B.shape[0], settings.capacity_bits
+                              * symbols_per_byte(settings.fmt), CODER)
+  return coded.all_gather(row_B, side_S, capacity, CODER, settings.axis_name)
+
+
+def _whole(settings: Co3Settings, layouts: list, symbols: list, scales: jax.Array,
+           flag: jax.Array, coded_path: bool) -> Exchanged:
+  """The all-gather of every device's whole symbols; each device averages all of them."""
+  leaf_count = len(layouts)
+  got = _gather(settings, _rows(symbols, layouts, settings.fmt)[0],
+                jnp.concatenate([scales, flag[None]]), coded_path)
+  values = _values(got.rows, got.side[:, :leaf_count], layouts, settings.fmt)
+  flag = got.side[:, leaf_count].sum() + _corrupt(got.missing)
+  if coded_path:  # its sender does not decode its own stream: agree on what receivers found
+    flag = jax.lax.psum(flag, settings.axis_name)
+  return Exchanged([quant.mean_over_peers(v)[:lay.size] for v, lay in zip(values, layouts)],
+                   flag, (got.missing[0] > 0).astype(jnp.float32), got.coded_bytes, None)
+
+
+def _coded_shard(settings: Co3Settings, shards: list, shard: ShardState, refit: jax.Array):
+  """gather="coded": (symbols per leaf, scales, new ShardState) of the averaged shard."""
+  compensated = [quant.saturate(a + settings.gamma * e) for a, e in zip(shards, shard.errors)]
+  scales = co3_host.leaf_scales(settings.fmt, compensated, shard.scales, refit)
+  symbols = [fp.encode(b, settings.fmt, s) for b, s in zip(compensated, scales)]
+  errors = [b - fp.decode(q, settings.fmt, s) for b, q, s in zip(compensated, symbols, scales)]
+  return symbols, scales, ShardState(errors, scales)
+
+
+def _per_shard(settings: Co3Settings, layouts: list, symbols: list, scales: jax.Array,
+               flag: jax.Array, shard: ShardState | None, refit: jax.Array,
+               coded_path: bool) -> Exchanged:
+  """All-to-all of the rows, the mean of this device's shard, the gather of the shards."""
+  n, leaf_count, fmt = layouts[0].rows, len(layouts), settings.fmt
+  side_NxS = jnp.broadcast_to(jnp.concatenate([scales, flag[None]]), (n, leaf_count + 1))
+  got = _send(settings, _rows(symbols, layouts, fmt), side_NxS, coded_path)
+  shards = [quant.mean_over_peers(v)
+            for v in _values(got.rows, got.side[:, :leaf_count], layouts, fmt)]
+  status = jnp.stack([got.side[:, leaf_count].sum() + _corrupt(got.missing),
+                      (got.missing[0] > 0).astype(jnp.float32)])
+  singles = [lay._replace(rows=1, size=lay.row_len) for lay in layouts]  # one shard each
+  if shard is None:  # bf16: the shards' bit patterns as bytes, 16 bits a value on every backend
+    shard_R = quant.saturate(jnp.concatenate(shards), jnp.bfloat16).astype(jnp.bfloat16)
+    gathered = coded.raw_all_gather(jax.lax.bitcast_convert_type(shard_R, jnp.uint8).reshape(-1),
+                                    status, settings.axis_name)
+    values_NxR = jax.lax.bitcast_convert_type(gathered.rows.reshape(n, -1, 2), jnp.bfloat16)
+    ends = list(itertools.accumulate(lay.row_len for lay in layouts))
+    values = [values_NxR[:, end - lay.row_len:end].astype(jnp.float32)
+              for end, lay in zip(ends, layouts)]
+    side, new_shard = gathered.side, None
+  else:
+    shard_symbols, shard_scales, new_shard = _coded_shard(settings, shards, shard, refit)
+    gathered = _gather(settings, _rows(shard_symbols, singles, fmt)[0],
+                       jnp.concatenate([shard_scales, status]), coded_path)
+    values = _values(gathered.rows, gathered.side[:, :leaf_count], singles, fmt)
+    side = gathered.side[:, leaf_count:]
+  flag, overflowed = side[:, 0].sum(), (side[:, 1].sum() + gathered.missing[0]) > 0
+  if shard is not None and coded_path:  # as in _whole: the gathered streams' verdict
+    flag = jax.lax.psum(flag + _corrupt(gathered.missing), settings.axis_name)
+  return Exchanged([layout.from_rows(v, lay) for v, lay in zip(values, layouts)], flag,
+                   overflowed.astype(jnp.float32), got.coded_bytes + gathered.coded_bytes,
+                   new_shard)
+
+
+def exchange(settings: Co3Settings, symbols: list, scales: jax.Array, flag: jax.Array,
+             shard: ShardState | None, refit: jax.Array) -> Exchanged:
+  """The mean over `settings.axis_name` of every device's decoded symbols.
+
+  Args:
+    settings: co3's settings (axis_name set).
+    symbols: uint8 [size] per leaf, this device's.
+    scales: float32 [leaves], this device's.
+    flag: float32, 0 or NaN (this device's gradient is not finite).
+    shard: the averaged shard's error state (gather="coded" on the per-shard exchange), or None.
+    refit: bool, whether this step refits the scales (of the shard too).
+
+  Returns:
+    `Exchanged`; where the coded exchange overflowed and nothing else went wrong, the same
+    exchange run raw (inside a lax.cond: every device takes it alike).
+  """
+  n = comm.axis_size(settings.axis_name, "co3")
+  per_shard = is_per_shard(settings, n)
+  layouts = [layout.leaf_layout(s.size, n if per_shard else 1, None) for s in symbols]
+  run = (functools.partial(_per_shard, settings, layouts, symbols, scales, flag, shard, refit)
+         if per_shard else functools.partial(_whole, settings, layouts, symbols, scales, flag))
+  first = run(settings.entropy_code)
+  if not settings.entropy_code:
+    return first
+  retry = (first.overflowed > 0) & (first.flag == 0)
+  return jax.lax.cond(retry, lambda: run(False)._replace(overflowed=first.overflowed,
+                                                         coded_bytes=first.coded_bytes),
+                      lambda: first)
+
+
+def local(settings: Co3Settings, symbols: list, scales: jax.Array, flag: jax.Array) -> Exchanged:
+  """No peers: the symbols' round trip through the coder on the host (entropy_code), decoded."""
+  layouts = [layout.leaf_layout(s.size, 1, None) for s in symbols]
+  row_1xB, coded_bytes = _rows(symbols, layouts, settings.fmt), jnp.int32(0)
+  if settings.entropy_code:
+    shapes = (jax.ShapeDtypeStruct(row_1xB.shape, jnp.uint8), jax.ShapeDtypeStruct((), jnp.int32))
+    row_1xB, coded_bytes = leaves.vary_like(coded.host_call(_roundtrip, shapes, row_1xB), row_1xB)
+  values = [v[0, :lay.size] for v, lay in zip(_values(row_1xB, scales[None], layouts,
+                                                     settings.fmt), layouts)]
+  if settings.axis_name is not None:  # an axis of one device: the mean is typed replicated
+    values, flag = jax.lax.all_gather((values, flag[None]), settings.axis_name, tiled=True,
+                                      to="invarying")
+    flag = flag[0]
+  return Exchanged(values, flag, jnp.float32(0), coded_bytes, None)
+
+
+def _roundtrip(row_1xB: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  stream = CODER.encode(row_1xB)
+  return CODER.decode(stream, row_1xB.size).reshape(row_1xB.shape), np.int32(len(stream))
+
+
+def coded_symbols(settings: Co3Settings, n: int, symbols: list) -> int:
+  """Symbols in the streams one device codes a step (what `Co3State.coded_bits` divides by)."""
+  if n == 1 or not is_per_shard(settings, n):
+    return sum(layout.shard_len(s.size, 1) for s in symbols)
+  row = sum(layout.shard_len(s.size, n) for s in symbols)
+  return (n - 1) * row + (row if settings.gather == "coded" else 0)

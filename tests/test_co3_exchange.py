@@ -1,0 +1,232 @@
+"""co3's per-shard coded exchange on a mesh: the mean, overflow, device counts, NaN, hostile
+peers (every device skips together, within seconds) and the bytes in the compiled program."""
+
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from loco_jax import comm
+from loco_jax.core import layout
+from loco_jax.codecs import fp, gennorm, huffman_deflate
+from loco_jax.comm import coded
+from loco_jax.train import parallel
+from loco_jax.transforms import co3_exchange
+from loco_jax.transforms.co3 import co3
+
+PARAMS = {"w": jnp.zeros((40, 96)), "b": jnp.zeros(3)}  # b: smaller than the device count
+N_PARAMS = 40 * 96 + 3
+CODER = co3_exchange.CODER
+
+
+def _grads(seed, n):
+  rng = np.random.default_rng(seed)
+  return {k: jnp.asarray(gennorm.sample(rng, 1.0, 1e-3, (n, *x.shape)).astype(np.float32))
+          for k, x in sorted(PARAMS.items())}
+
+
+def _step(opt, n):
+  mesh = parallel.data_mesh(n)
+  state, specs = parallel.init_opt_state(opt, PARAMS, mesh)
+  gspecs = jax.tree.map(lambda _: P("data"), PARAMS)
+  step = jax.jit(jax.shard_map(lambda g, s: opt.update(jax.tree.map(lambda x: x[0], g), s),
+                               mesh=mesh, in_specs=(gspecs, specs),
+                               out_specs=(jax.tree.map(lambda _: P(), PARAMS), specs)))
+  return step, state
+
+
+def _within(seconds, fn):
+  """fn() in a thread; fails the test if it has not returned within `seconds` (a hang)."""
+  result = []
+  # Blocked on: the host hooks must still be in place when the step's callbacks run.
+  thread = threading.Thread(target=lambda: result.append(jax.block_until_ready(fn())),
+                            daemon=True)
+  thread.start()
+  thread.join(seconds)
+  if thread.is_alive():
+    pytest.fail(f"the step did not return within {seconds} s: the devices hang")
+  return result[0]
+
+
+def _sent(grads, n):
+  """float64 [n, ...] per leaf: what each device sends at its first step (Q(g) at its scale)."""
+  local = co3("fp4", entropy_code=False)
+  out = [jax.jit(local.update)(jax.tree.map(lambda g: g[d], grads), local.init(PARAMS))[0]
+         for d in range(n)]
+  return {k: np.stack([np.asarray(o[k], np.float64) for o in out]) for k in PARAMS}
+
+
+def _assert_mean(out, sent, rtol):
+  for k in PARAMS:
+    want = sent[k].mean(axis=0)
+    np.testing.assert_allclose(np.asarray(out[k], np.float64), want, rtol=rtol,
+                               atol=rtol * np.abs(want).max())
+
+
+# ----------------------------------------------------------------------------- the wire
+
+
+def test_coded_all_to_all_delivers_every_row_exactly():
+  n, size = 8, 1000
+  rows = np.random.default_rng(0).integers(0, 16, (n, n, size)).astype(np.uint8)  # [sender, dest]
+  capacity = coded.slot_bytes(size, 8.0, CODER)
+
+  def exchange(rows_1xNxB):
+    got = coded.all_to_all(rows_1xNxB[0], jnp.zeros((n, 1)), capacity, CODER, "data")
+    return got.rows[None], got.missing[None]
+
+  mesh = parallel.data_mesh(n)
+  got, missing = jax.jit(jax.shard_map(exchange, mesh=mesh, in_specs=P("data"),
+                                       out_specs=P("data")))(rows)
+  np.testing.assert_array_equal(np.asarray(got), rows.transpose(1, 0, 2))  # dest j, from s
+  assert not np.any(np.asarray(missing))
+
+
+# ----------------------------------------------------------------------------- the mean
+
+
+@pytest.mark.parametrize("n", [1, 2, 8])
+def test_mean_over_1_2_8_devices_and_a_leaf_smaller_than_the_axis(n):
+  grads, sent = _grads(n, n), None
+  sent = _sent(grads, n)
+  step, state = _step(co3("fp4", axis_name="data",
+                          exchange="auto" if n == 1 else "all_to_all"), n)
+  out, state = step(grads, state)
+  # bf16 gather: the float32 mean rounded once to bfloat16 (n = 1: no gather, exact).
+  _assert_mean(out, sent, 2.0 ** -8 if n > 1 else 1e-6)
+  assert int(state.count) == 1 and int(state.overflows) == 0 and int(state.rejected) == 0
+  bits = np.asarray(state.coded_bits)
+  assert bits.shape == (n,) and np.all((bits > 1) & (bits < 4))
+
+
+def test_all_gather_and_coded_gather_means():
+  grads = _grads(5, 8)
+  sent = _sent(grads, 8)
+  step, state = _step(co3("fp4", axis_name="data", exchange="all_gather"), 8)
+  _assert_mean(step(grads, state)[0], sent, 1e-6)  # float32 mean of exact symbols
+  step, state = _step(co3("fp4", axis_name="data", gather="coded"), 8)
+  out, state = step(grads, state)
+  # The averaged shard in fp4 again: ~0.2 relative error a value, carried to the next step.
+  for k in PARAMS:
+    want = sent[k].mean(axis=0)
+    err = np.linalg.norm(np.asarray(out[k]) - want) / np.linalg.norm(want)
+    assert err < 0.35, (k, err)
+  assert np.asarray(state.shard_error["w"]).shape == (8 * layout.shard_len(N_PARAMS - 3, 8),)
+
+
+def test_auto_picks_the_all_gather_on_two_devices():
+  assert co3_exchange.predicted_bits(2, 3.8, "bf16", True) > co3_exchange.predicted_bits(
+      2, 3.8, "bf16", False)
+  assert co3_exchange.predicted_bits(8, 3.8, "bf16", True) < co3_exchange.predicted_bits(
+      8, 3.8, "bf16", False)
+  step, state = _step(co3("fp4", axis_name="data"), 2)
+  ops = {c.op for c in comm.lowered_collectives(step, _grads(0, 2), state)}
+  assert "all-to-all" not in ops and "all-gather" in ops
+
+
+# ----------------------------------------------------------------------------- overflow, NaN
+
+
+@pytest.fixture(scope="module")
+def per_shard():
+  """One compiled 8-device per-shard step, run under different host hooks."""
+  return _step(co3("fp4", axis_name="data", exchange="all_to_all"), 8)
+
+
+def test_one_overflowing_slot_sends_the_step_raw_on_every_device(per_shard):
+  step, state = per_shard
+  grads = _grads(7, 8)
+  plain, plain_state = step(grads, state)
+
+  def pad_one(sender, destination, stream):  # device 3's slot for device 5 does not fit
+    return stream + bytes(1 << 16) if (sender, destination) == (3, 5) else stream
+
+  with coded.tampering(pad_one):
+    out, after = _within(60, lambda: step(grads, state))
+  for k in PARAMS:
+    np.testing.assert_allclose(np.asarray(out[k]), np.asarray(plain[k]), rtol=1e-6, atol=0)
+  assert int(after.overflows) == 1 and int(plain_state.overflows) == 0
+  np.testing.assert_allclose(np.asarray(after.error["w"]), np.asarray(plain_state.error["w"]))
+
+
+def test_nan_on_one_device_skips_the_step_everywhere(per_shard):
+  step, state = per_shard
+  grads = _grads(8, 8)
+  grads["w"] = grads["w"].at[3, 0, 0].set(jnp.nan)
+  out, after = step(grads, state)
+  assert all(np.all(np.isnan(np.asarray(v))) for v in jax.tree.leaves(out))
+  jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)),
+               after, state)
+
+
+# ----------------------------------------------------------------------------- hostile peers
+
+
+def _short(stream):  # well-formed, but fewer bytes than the row
+  del stream
+  return huffman_deflate.encode(np.arange(10, dtype=np.uint8))
+
+
+def _flip(stream):
+  flipped = bytearray(stream)
+  flipped[len(stream) // 2] ^= 0x10
+  return bytes(flipped)
+
+
+HOSTILE = {"short": _short, "truncated": lambda s: s[:-7], "bit-flipped": _flip}
+
+
+@pytest.mark.parametrize("kind", sorted(HOSTILE))
+def test_a_hostile_peer_stream_makes_every_device_skip(per_shard, kind):
+  step, state = per_shard
+  grads = _grads(9, 8)
+
+  def hostile(sender, destination, stream):
+    return HOSTILE[kind](stream) if (sender, destination) == (6, 2) else stream
+
+  with coded.tampering(hostile):
+    out, after = _within(60, lambda: step(grads, state))
+  assert all(np.all(np.isnan(np.asarray(v))) for v in jax.tree.leaves(out))
+  assert int(after.rejected) == 1
+  kept = after._replace(rejected=state.rejected)
+  jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)),
+               kept, state)
+  good, _ = step(grads, state)  # and the next step runs as usual
+  assert all(np.all(np.isfinite(np.asarray(v))) for v in jax.tree.leaves(good))
+
+
+@pytest.mark.parametrize("exchange_kw", [dict(gather="coded"), dict(exchange="all_gather")])
+def test_a_corrupt_gathered_stream_makes_every_device_skip(exchange_kw):
+  step, state = _step(co3("fp4", axis_name="data", **exchange_kw), 8)
+
+  def flip_gathered(sender, destination, stream):
+    return _flip(stream) if destination == -1 and sender == 4 else stream
+
+  with coded.tampering(flip_gathered):
+    out, after = _within(60, lambda: step(_grads(10, 8), state))
+  assert all(np.all(np.isnan(np.asarray(v))) for v in jax.tree.leaves(out))
+  assert int(after.rejected) == 1 and int(after.count) == 0
+
+
+# ----------------------------------------------------------------------------- the HLO
+
+
+def test_capacity_and_bits_in_the_compiled_program(per_shard):
+  step, state = per_shard
+  found = comm.compiled_collectives(step, _grads(0, 8), state)
+  always = [c for c in found if not c.conditional]
+  assert sorted(c.op for c in always) == ["all-gather", "all-to-all"]
+  a2a = next(c for c in always if c.op == "all-to-all")
+  rows = sum(layout.shard_len(x.size, 8) for x in jax.tree.leaves(PARAMS)) // 2  # fp4 pairs
+  capacity_bits = co3_exchange.co3_host.default_capacity_bits(fp.FP4)
+  slot = coded.slot_bytes(rows, 2 * capacity_bits, CODER)
+  assert a2a.dtype == "u8" and a2a.nbytes == 8 * (slot + 4 + 4 * 3)  # + length, scales, flag
+  bits = comm.wire_bits_per_param(found, N_PARAMS)
+  predicted = co3_exchange.predicted_bits(8, 8 * (slot + 16) / (2 * rows), "bf16", True)
+  assert bits == pytest.approx(predicted, rel=0.03)
+  raw = [c for c in found if c.conditional]  # the overflow path: raw fp4, two symbols a byte
+  assert sorted(c.op for c in raw) == ["all-gather", "all-to-all"]
+  assert comm.wire_bits_per_param(found, N_PARAMS, include_conditional=True) > bits
