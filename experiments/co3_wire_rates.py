@@ -22,8 +22,8 @@ import numpy as np
 
 
 def _rows(flat_leaves, n):
-  """Per-device rows of every leaf's shard, concatenated (comm.shard_rows), as numpy."""
-  from loco_jax import comm
+  """Per-device rows of every leaf's shard, concatenated (layout.shard_rows), as numpy."""
+  from loco_jax.core import layout
   return np.concatenate([np.asarray(layout.shard_rows(
       jnp.asarray(x), layout.leaf_layout(x.size, n, None))) for x in flat_leaves], axis=1)
 
