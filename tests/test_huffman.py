@@ -11,7 +11,7 @@ import zlib
 import numpy as np
 import pytest
 
-from loco_jax.codecs import huffman, huffman_codes, huffman_lanes
+from loco_jax.codecs import huffman, huffman_codes, huffman_format, huffman_lanes
 
 FP4_LEVELS = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0])
 STRATEGIES = ["lock_step", "walk", "doubling"]
@@ -352,7 +352,7 @@ def test_fuzz_rewritten_header_fields(streams):
 
 
 def _header(count: int, flags: int = 0) -> bytes:
-  return b"LH\x01" + bytes([flags]) + huffman._varint(count) + b"\0\0\0\0"
+  return b"LH\x01" + bytes([flags]) + huffman_format.varint_bytes(count) + b"\0\0\0\0"
 
 
 @pytest.mark.parametrize("count", [2**20, 2**40, 2**63])
@@ -388,7 +388,7 @@ def test_max_symbols_is_enforced_on_valid_streams():
 def test_invalid_code_lengths_are_rejected():
   symbols = np.arange(400, dtype=np.uint8) % 4  # four letters, 2-bit codes
   data = bytearray(huffman.encode(symbols))
-  table_at = 4 + len(huffman._varint(400)) + 4
+  table_at = 4 + len(huffman_format.varint_bytes(400)) + 4
   assert data[table_at:table_at + 4] == bytes([3, 0xF0, 0x11, 0x11])  # top, bitmap, nibbles
   for nibbles, reason in ((b"\x01\x11", "Kraft"), (b"\x12\x11", "Kraft"), (b"\xf1\x11", "Kraft")):
     mutated = data[:table_at + 2] + nibbles + data[table_at + 4:]

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from loco_jax.codecs import huffman, huffman_lanes
+from loco_jax.codecs import huffman, huffman_format, huffman_lanes
 
 STRATEGIES = ["lock_step", "walk", "doubling"]
 
@@ -21,17 +21,17 @@ def _craft(symbols: np.ndarray, lengths: np.ndarray, *, lane_letters: int | None
   payload that parses: what a hostile or buggy peer could send."""
   letters = symbols
   n = letters.size
-  lane_letters = huffman._lane_letters(n) if lane_letters is None else lane_letters
+  lane_letters = huffman_format.lane_letters_for(n) if lane_letters is None else lane_letters
   payload, lane_bits = huffman._write_bits(letters, lengths, lane_letters)
   base = int(lane_bits.min()) - lane_base_delta
   offsets = lane_bits - base
   width = int(offsets.max()).bit_length() + extra_width
   bits = ((offsets[:, None] >> np.arange(width - 1, -1, -1)) & 1).astype(np.uint8)
-  lanes = (huffman._varint(lane_letters) + huffman._varint(base) + bytes([width])
+  lanes = (huffman_format.varint_bytes(lane_letters) + huffman_format.varint_bytes(base) + bytes([width])
            + np.packbits(bits.reshape(-1)).tobytes())
-  header = (b"LH\x01" + bytes([flags]) + huffman._varint(n)
+  header = (b"LH\x01" + bytes([flags]) + huffman_format.varint_bytes(n)
             + zlib.crc32(symbols).to_bytes(4, "little"))
-  return header + (huffman._pack_lengths(lengths) if table is None else table) + lanes + payload
+  return header + (huffman_format.pack_lengths(lengths) if table is None else table) + lanes + payload
 
 
 def _two_letters(n: int) -> np.ndarray:

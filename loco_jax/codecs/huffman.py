@@ -2,10 +2,11 @@
 the stream (`encode`, `encode_pairs`, `decode`); code tables in `huffman_codes`."""
 
 import zlib
+from typing import NamedTuple
 
 import numpy as np
 
-from loco_jax.codecs import huffman_lanes
+from loco_jax.codecs import huffman_format, huffman_lanes
 from loco_jax.codecs.huffman_codes import (  # entropy_bits: huffman.entropy_bits, as before
     DEFAULT_MAX_CODE_LENGTH, FLAG_FLOOR, FLAG_MODEL, FLAG_PAIRS, KNOWN_FLAGS, LANE_LETTERS, MAGIC,
     MAX_CODE_LENGTH, ONE_LANE_LETTERS, VERSION, canonical_codes, check_max_code_length,
@@ -96,44 +97,17 @@ def _encode_letters(letters: np.ndarray, symbols: np.ndarray, *, pairs: bool,
       lengths = model_code_lengths(probabilities, pairs, max_code_length, floor=True)
   elif letters.size:
     lengths = code_lengths(counts, max_code_length)
-  header = [MAGIC, bytes([VERSION, flags]), _varint(symbols.size),
+  header = [MAGIC, bytes([VERSION, flags]), huffman_format.varint_bytes(symbols.size),
             zlib.crc32(symbols).to_bytes(4, "little")]
   if not letters.size:
     return b"".join(header)
   header.append(bytes([max_code_length]) if probabilities is not None
-                else _pack_lengths(lengths))
-  lane_letters = _lane_letters(letters.size)
+                else huffman_format.pack_lengths(lengths))
+  lane_letters = huffman_format.lane_letters_for(letters.size)
   payload, lane_bits = _write_bits(letters, lengths, lane_letters)
-  header.append(_pack_lanes(lane_letters, lane_bits))
+  header.append(huffman_format.pack_lanes(lane_letters, lane_bits))
   header.append(payload)
   return b"".join(header)
-
-
-def _lane_letters(n_letters: int) -> int:
-  """Letters per lane, as encode picks them (decode accepts nothing else)."""
-  return n_letters if n_letters <= ONE_LANE_LETTERS else LANE_LETTERS
-
-
-def _pack_lengths(lengths: np.ndarray) -> bytes:
-  """Largest used letter, a presence bitmap up to it, then (length - 1) nibbles of those used."""
-  used = np.flatnonzero(lengths)
-  top = int(used[-1])
-  bitmap = np.packbits(lengths[:top + 1] > 0).tobytes()
-  nibbles = lengths[used] - 1
-  if nibbles.size % 2:
-    nibbles = np.append(nibbles, np.uint8(0))
-  return bytes([top]) + bitmap + ((nibbles[0::2] << 4) | nibbles[1::2]).astype(np.uint8).tobytes()
-
-
-def _pack_lanes(lane_letters: int, lane_bits: np.ndarray) -> bytes:
-  """Letters per lane, then every lane's bit length as `base + width-bit offset`."""
-  base = int(lane_bits.min())
-  width = int(lane_bits.max() - base).bit_length()
-  offsets = (lane_bits - base).astype(np.uint64)
-  shifts = np.arange(width - 1, -1, -1, dtype=np.uint64)
-  bits = ((offsets[:, None] >> shifts[None, :]) & np.uint64(1)).astype(np.uint8)
-  return (_varint(lane_letters) + _varint(base) + bytes([width])
-          + np.packbits(bits.reshape(-1)).tobytes())
 
 
 def _write_bits(letters: np.ndarray, lengths: np.ndarray,
@@ -163,49 +137,7 @@ def _write_bits(letters: np.ndarray, lengths: np.ndarray,
   return payload, lane_bits
 
 
-def _varint(value: int) -> bytes:
-  out = bytearray()
-  while True:
-    byte, value = value & 0x7F, value >> 7
-    out.append(byte | (0x80 if value else 0))
-    if not value:
-      return bytes(out)
-
-
 # ----------------------------------------------------------------------------- decoding
-
-
-class _Reader:
-  """Bounds-checked cursor over the stream; every shortfall is a ValueError."""
-
-  def __init__(self, data: bytes):
-    self.data = data
-    self.pos = 0
-
-  def take(self, n: int, what: str) -> bytes:
-    if n > len(self.data) - self.pos:
-      raise ValueError(f"truncated Huffman stream: {what} needs {n} bytes at offset "
-                       f"{self.pos}, only {len(self.data) - self.pos} left.")
-    chunk = self.data[self.pos:self.pos + n]
-    self.pos += n
-    return chunk
-
-  def byte(self, what: str) -> int:
-    return self.take(1, what)[0]
-
-  def varint(self, what: str) -> int:
-    value = 0
-    for i in range(10):
-      byte = self.byte(what)
-      value |= (byte & 0x7F) << (7 * i)
-      if not byte & 0x80:
-        if i and not byte:
-          raise ValueError(f"corrupt Huffman stream: {what} is a non-minimal varint.")
-        return value
-    raise ValueError(f"corrupt Huffman stream: {what} is a varint longer than 10 bytes.")
-
-  def remaining(self) -> int:
-    return len(self.data) - self.pos
 
 
 def decode(data: bytes, *, max_symbols: int | None = None,
@@ -237,7 +169,44 @@ def decode(data: bytes, *, max_symbols: int | None = None,
     data = memoryview(data).cast("B")
   except TypeError as e:
     raise TypeError(f"decode takes bytes, got {type(data).__name__}.") from e
-  reader = _Reader(data)
+  reader = huffman_format.Reader(data)
+  head = _read_header(reader, max_symbols, probabilities)
+  if head.count == 0:
+    if head.flags & FLAG_FLOOR:  # the floor is only set for letters the data hold
+      raise ValueError(f"corrupt Huffman stream: flags {head.flags:#x} set floor for no "
+                       f"symbols.")
+    huffman_format.expect_end(reader)
+    if head.crc != zlib.crc32(b""):
+      raise ValueError("corrupt Huffman stream: CRC32 mismatch.")
+    return np.zeros(0, np.uint8)
+  n_letters = (head.count + 1) // 2 if head.pairs else head.count
+  if head.flags & FLAG_MODEL:
+    max_code_length = reader.byte("max code length")
+    check_max_code_length(max_code_length)
+    lengths = model_code_lengths(probabilities, head.pairs, max_code_length,
+                                 floor=bool(head.flags & FLAG_FLOOR))
+  else:
+    lengths = huffman_format.unpack_lengths(reader)
+  letters = _read_letters(reader, data, lengths, n_letters, head.count)
+  if head.flags & FLAG_MODEL:  # any table the model makes is encode's; only the floor is a choice
+    if head.flags & FLAG_FLOOR:
+      _check_table_matches_letters(lengths, letters, model_code_lengths(
+          probabilities, head.pairs, max_code_length, floor=False))
+  else:
+    _check_table_matches_letters(lengths, letters, None)
+  return _symbols(letters, head)
+
+
+class _Header(NamedTuple):
+  flags: int
+  pairs: bool
+  count: int
+  crc: int
+
+
+def _read_header(reader: huffman_format.Reader, max_symbols: int | None,
+                 probabilities: np.ndarray | None) -> _Header:
+  """Magic, version, flags, symbol count and CRC, each checked."""
   magic = bytes(reader.take(2, "magic"))
   if magic != MAGIC:
     raise ValueError(f"not a loco_jax Huffman stream: magic {magic!r}, expected {MAGIC!r}.")
@@ -247,7 +216,6 @@ def decode(data: bytes, *, max_symbols: int | None = None,
                      f"version {VERSION}.")
   if flags & ~KNOWN_FLAGS:
     raise ValueError(f"corrupt Huffman stream: unknown flags {flags:#x}.")
-  pairs = bool(flags & FLAG_PAIRS)
   count = reader.varint("symbol count")
   if max_symbols is not None and count > max_symbols:
     raise ValueError(f"Huffman stream holds {count} symbols, more than max_symbols="
@@ -255,29 +223,18 @@ def decode(data: bytes, *, max_symbols: int | None = None,
   crc = int.from_bytes(reader.take(4, "CRC32"), "little")
   if flags & FLAG_FLOOR and not flags & FLAG_MODEL:
     raise ValueError(f"corrupt Huffman stream: flags {flags:#x} set floor without model.")
-  if flags & FLAG_MODEL:
-    if probabilities is None:
-      raise ValueError("this Huffman stream was coded with a model table: pass the encoder's "
-                       "probabilities to decode.")
-  elif probabilities is not None:
+  if flags & FLAG_MODEL and probabilities is None:
+    raise ValueError("this Huffman stream was coded with a model table: pass the encoder's "
+                     "probabilities to decode.")
+  if not flags & FLAG_MODEL and probabilities is not None:
     raise ValueError("this Huffman stream carries its own table; decode it without "
                      "probabilities.")
-  if count == 0:
-    if flags & FLAG_FLOOR:  # the floor is only set for letters the data hold
-      raise ValueError(f"corrupt Huffman stream: flags {flags:#x} set floor for no symbols.")
-    _expect_end(reader)
-    if crc != zlib.crc32(b""):
-      raise ValueError("corrupt Huffman stream: CRC32 mismatch.")
-    return np.zeros(0, np.uint8)
+  return _Header(flags, bool(flags & FLAG_PAIRS), count, crc)
 
-  n_letters = (count + 1) // 2 if pairs else count
-  if flags & FLAG_MODEL:
-    max_code_length = reader.byte("max code length")
-    check_max_code_length(max_code_length)
-    lengths = model_code_lengths(probabilities, pairs, max_code_length,
-                                  floor=bool(flags & FLAG_FLOOR))
-  else:
-    lengths = _unpack_lengths(reader)
+
+def _read_letters(reader: huffman_format.Reader, data, lengths: np.ndarray, n_letters: int,
+                  count: int) -> np.ndarray:
+  """The lane table and the payload, checked against the letters they must hold, decoded."""
   used_lengths = lengths[lengths > 0].astype(np.int64)
   shortest, longest = int(used_lengths.min()), int(used_lengths.max())
   # Every letter takes at least `shortest` bits: a count the rest of the stream cannot hold is
@@ -288,13 +245,14 @@ def decode(data: bytes, *, max_symbols: int | None = None,
   lane_letters = reader.varint("letters per lane")
   # Lane sizes are not the sender's choice: tiny lanes would make the decoder's per-lane state
   # (~100 bytes a lane) dwarf the stream.
-  if lane_letters != _lane_letters(n_letters):
+  if lane_letters != huffman_format.lane_letters_for(n_letters):
     raise ValueError(f"corrupt Huffman stream: {lane_letters} letters per lane for "
-                     f"{n_letters} letters; encode writes {_lane_letters(n_letters)}.")
+                     f"{n_letters} letters; encode writes "
+                     f"{huffman_format.lane_letters_for(n_letters)}.")
   n_lanes = -(-n_letters // lane_letters)
   lane_counts = np.full(n_lanes, lane_letters, np.int64)
   lane_counts[-1] = n_letters - (n_lanes - 1) * lane_letters
-  lane_bits = _unpack_lanes(reader, n_lanes)
+  lane_bits = huffman_format.unpack_lanes(reader, n_lanes)
   if np.any(lane_bits < lane_counts * shortest) or np.any(lane_bits > lane_counts * longest):
     raise ValueError("corrupt Huffman stream: a lane's bit length does not fit its letters.")
   total_bits = int(lane_bits.sum())
@@ -305,29 +263,25 @@ def decode(data: bytes, *, max_symbols: int | None = None,
   payload = np.frombuffer(data, np.uint8, offset=len(data) - payload_size)
   if total_bits % 8 and payload[-1] & ((1 << (8 - total_bits % 8)) - 1):
     raise ValueError("corrupt Huffman stream: padding bits are not zero.")
-
   if used_lengths.size == 1:  # a lone letter: 1-bit codes, all zero
     if np.any(payload):
       raise ValueError("corrupt Huffman stream: a one-letter payload must be all zero bits.")
-    letters = np.full(n_letters, np.flatnonzero(lengths)[0], np.uint8)
-  else:
-    letters = huffman_lanes.decode_payload(payload, lengths, lane_letters, lane_counts, lane_bits)
-  if flags & FLAG_MODEL:  # any table the model makes is encode's; only the floor is a choice
-    if flags & FLAG_FLOOR:
-      _check_table_matches_letters(lengths, letters, model_code_lengths(
-          probabilities, pairs, max_code_length, floor=False))
-  else:
-    _check_table_matches_letters(lengths, letters, None)
-  if pairs:
-    symbols = np.empty(2 * n_letters, np.uint8)
+    return np.full(n_letters, np.flatnonzero(lengths)[0], np.uint8)
+  return huffman_lanes.decode_payload(payload, lengths, lane_letters, lane_counts, lane_bits)
+
+
+def _symbols(letters: np.ndarray, head: _Header) -> np.ndarray:
+  """Letters -> symbols (pairs split), with the pad and the CRC checked."""
+  if head.pairs:
+    symbols = np.empty(2 * letters.size, np.uint8)
     symbols[0::2] = letters >> 4
     symbols[1::2] = letters & 15
-    if count % 2 and symbols[-1]:
+    if head.count % 2 and symbols[-1]:
       raise ValueError("corrupt Huffman stream: the pad symbol of an odd count is not 0.")
-    symbols = symbols[:count]
+    symbols = symbols[:head.count]
   else:
     symbols = letters
-  if zlib.crc32(symbols) != crc:
+  if zlib.crc32(symbols) != head.crc:
     raise ValueError("corrupt Huffman stream: CRC32 of the decoded symbols does not match.")
   return symbols
 
@@ -358,57 +312,3 @@ def _is_encoders_table(counts: np.ndarray, lengths: np.ndarray) -> bool:
     if int(candidate.max()) < limit:  # plain Huffman fits: larger limits give the same lengths
       return False
   return False
-
-
-def _expect_end(reader: _Reader) -> None:
-  if reader.remaining():
-    raise ValueError(f"corrupt Huffman stream: {reader.remaining()} unexpected trailing bytes.")
-
-
-def _unpack_lengths(reader: _Reader) -> np.ndarray:
-  top = reader.byte("largest letter")
-  bitmap = np.frombuffer(reader.take(top // 8 + 1, "letter bitmap"), np.uint8)
-  present = np.unpackbits(bitmap)[:top + 1].astype(bool)
-  if not present[top] or np.any(np.unpackbits(bitmap)[top + 1:]):
-    raise ValueError("corrupt Huffman stream: the letter bitmap disagrees with its size.")
-  n_used = int(present.sum())
-  packed = np.frombuffer(reader.take((n_used + 1) // 2, "code lengths"), np.uint8)
-  nibbles = np.stack([packed >> 4, packed & 15], axis=1).reshape(-1)
-  if n_used % 2 and nibbles[-1]:
-    raise ValueError("corrupt Huffman stream: the pad nibble of the code lengths is not 0.")
-  lengths = np.zeros(256, np.uint8)
-  lengths[:top + 1][present] = nibbles[:n_used] + 1
-  # Kraft: more than one letter must form a complete code (no over- or under-subscription);
-  # a lone letter has the 1-bit code.
-  if n_used == 1:
-    if lengths[top] != 1:
-      raise ValueError("corrupt Huffman stream: a lone letter must have a 1-bit code.")
-  elif int(np.sum(np.left_shift(1, MAX_CODE_LENGTH - lengths[lengths > 0].astype(np.int64)))) != (
-      1 << MAX_CODE_LENGTH):
-    raise ValueError("corrupt Huffman stream: the code lengths violate Kraft's equality "
-                     "(the code must be complete).")
-  lengths.setflags(write=False)
-  return lengths
-
-
-def _unpack_lanes(reader: _Reader, n_lanes: int) -> np.ndarray:
-  base = reader.varint("lane base length")
-  width = reader.byte("lane length width")
-  if width > 40:
-    raise ValueError(f"corrupt Huffman stream: lane length width {width} > 40 bits.")
-  n_bytes = (n_lanes * width + 7) // 8
-  if n_bytes > reader.remaining():
-    raise ValueError("truncated Huffman stream: lane table runs past the end.")
-  packed = np.frombuffer(reader.take(n_bytes, "lane table"), np.uint8)
-  bits = np.unpackbits(packed)
-  if np.any(bits[n_lanes * width:]):
-    raise ValueError("corrupt Huffman stream: the lane table's pad bits are not zero.")
-  weights = np.left_shift(1, np.arange(width - 1, -1, -1, dtype=np.int64))
-  offsets = bits[:n_lanes * width].reshape(n_lanes, width).astype(np.int64) @ weights
-  if base > (1 << 40):
-    raise ValueError(f"corrupt Huffman stream: lane base length {base} is absurd.")
-  # encode writes base = the shortest lane and width = the bits of the largest offset.
-  if int(offsets.min()) != 0 or int(offsets.max()).bit_length() != width:
-    raise ValueError(f"corrupt Huffman stream: lane table base {base} and width {width} are not "
-                     f"the shortest lane and the width of the largest offset.")
-  return base + offsets
