@@ -145,6 +145,7 @@ def test_zero2_evaluates_a_callable_mask_on_the_full_shapes_like_ddp():
 
 def test_masks_see_full_shapes_through_inject_hyperparams_and_multi_transform():
   from loco_jax.train import masks
+  mesh = parallel.data_mesh(N)
   seen = []
   labels = lambda p: jax.tree.map(lambda x: seen.append(x.shape) or "decay", p)
   opt = optax.multi_transform(
@@ -152,8 +153,8 @@ def test_masks_see_full_shapes_through_inject_hyperparams_and_multi_transform():
           1e-2, weight_decay=1.0, mask=_ndim_mask)},
       labels)
   assert masks.evaluate_on_full_shapes(opt) == 2
-  shards = jax.tree.map(lambda x: jnp.zeros(x.shape), parallel._local_shard_shapes(_params(), N))
-  with masks.full_shapes(parallel._shapes_of(_params())):
+  shards = jax.tree.map(lambda x: jnp.zeros(x.shape), parallel.shard_params(_params(), mesh))
+  with masks.full_shapes(_params()):
     opt.init(shards)
   assert set(seen) == {x.shape for x in jax.tree.leaves(_params())}
   seen.clear()
