@@ -15,7 +15,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from loco_jax import comm, loco, two_hop
-from loco_jax.core import buckets
+from loco_jax.core import buckets, leaves
 from loco_jax.train import parallel, sharding
 from loco_jax.transforms import baselines
 
@@ -315,3 +315,45 @@ def test_any_model_placement_trains_like_the_data_mesh_and_is_kept(placement):
     assert sharding.same_specs(specs.opt_state[0].nu[name], spec), (name, spec)
     np.testing.assert_allclose(np.asarray(state.params[name]), _fp32_step_reference()[name],
                                rtol=1e-5, atol=1e-7)
+
+
+def _per_device_grads():
+  """Each data rank's gradient on its quarter of a batch, and all of them stacked on dim 0 (as
+  a shard_map with in_specs P("data") hands each data rank its own)."""
+  chunks = jnp.split(_batches(1)[0], DATA)
+  grads = [jax.grad(_loss)(_raw_params(), chunk) for chunk in chunks]
+  return grads, jax.tree.map(lambda *g: jnp.concatenate(g), *grads)
+
+
+@pytest.mark.parametrize("told", ["specs=", "shardings"])
+def test_init_opt_state_on_a_data_model_mesh_runs_the_readme_recipe(told):
+  mesh = _mesh()
+  params = _placed(mesh)
+  if told == "specs=":  # the transformation is told the params' specs
+    opt = optax.chain(loco(axis_name="data", specs=SPECS), optax.sgd(1.0))
+    update = opt.update
+  else:  # init_opt_state reads the params' NamedShardings; the update is told in a context
+    opt = optax.chain(loco(axis_name="data"), optax.sgd(1.0))
+    def update(g, s, p):
+      with leaves.leaf_specs(SPECS):
+        return opt.update(g, s, p)
+  state, specs = parallel.init_opt_state(opt, params, mesh)
+  assert specs == parallel.opt_state_specs(opt, params, mesh)
+  assert {k: [s] for k, (s, *_) in specs[0].error.items()} == {"": [P("data")],
+                                                             "model": [P("data")]}
+  for error in state[0].error["model"]:  # each device keeps the error of its own model blocks
+    assert sharding.same_specs(error.sharding.spec, P(("data", "model")))
+  step = jax.jit(jax.shard_map(update, mesh=mesh, in_specs=(P("data"), specs, P()),
+                               out_specs=(P(), specs), axis_names={"data"}))
+  per_device, grads = _per_device_grads()
+  updates, new_state = step(grads, state, params)
+  assert jax.tree.structure(new_state) == jax.tree.structure(state)
+  assert int(new_state[0].count) == 1
+  for name in SPECS:  # sgd(1): -(the mean gradient) within half a 4-bit step and the bf16 gather
+    stacked = np.stack([np.asarray(g[name], np.float64) for g in per_device])
+    mean = stacked.mean(0)
+    bound = np.abs(stacked).max() / 14 + np.abs(mean) * 2.0 ** -8 + 1e-6
+    assert np.all(np.abs(np.asarray(updates[name]) + mean) <= bound), name
+  # Each device compressed its own model shard: over 'model' only the 4-byte keep-or-skip flag.
+  found = comm.compiled_collectives(step, grads, state, params)
+  assert [(c.op, c.nbytes) for c in found if c.group_size == MODEL] == [("all-reduce", 4)]
