@@ -67,5 +67,17 @@ def loss_and_grads(loss_fn: Callable, params: Any, batch: Any, mesh: Mesh,
 
 
 def jit_step(step: Callable, mesh: Mesh, out_specs: Any) -> Callable:
-  """The jitted `step(state, batch)`: the state donated, the outputs placed as `out_specs`."""
-  return jax.jit(step, donate_argnums=0, out_shardings=sharding.named(mesh, out_specs))
+  """The jitted `step(state, batch)`: the state donated, the outputs placed as `out_specs`.
+
+  On a mesh with Explicit axes the step runs with them Auto (`jax.sharding.auto_axes`), as its
+  shard_maps do (`over_data`), and its outputs are Explicit again.
+  """
+  explicit = mesh_lib.explicit_axes(mesh)
+  if not explicit:
+    return jax.jit(step, donate_argnums=0, out_shardings=sharding.named(mesh, out_specs))
+
+  def with_auto_axes(state, batch):
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):  # auto_axes reads the context
+      return jax.sharding.auto_axes(step, axes=explicit, out_sharding=out_specs)(state, batch)
+  return jax.jit(with_auto_axes, donate_argnums=0,
+                 out_shardings=sharding.named(mesh, out_specs))
