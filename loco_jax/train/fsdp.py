@@ -3,14 +3,14 @@
 The model is a `LayeredModel`: `embed`, one `block` applied to a stack of identical layers
 (their params stacked on a leading layer axis), and `head`, which returns the loss. Master
 params and the optimizer state live on per-device float32 shards (as in ZeRO-2: each leaf,
-and each layer of a stacked leaf, flattened and split into `comm.shard_len` pieces). A step:
+and each layer of a stacked leaf, flattened and split into `layout.shard_len` pieces). A step:
 
   forward   gather embed's params, run embed; scan over layers: gather layer l's params in
             the compute dtype (or int8 with block scales), run the block, keep only its input
   backward  head's gradient -> compressor; a reverse scan: re-gather layer l's params, vjp of
             the block (it is recomputed), layer l's gradient -> the compressor with that
             layer's own state (LoCo's int8 error) -> this device's averaged shard; then embed
-  update    the optimizer on the master shards
+  update    the optimizer on the global master shards, under GSPMD (as zero2's)
 
 so a device holds 1/N of the params, gradients and optimizer state plus about one layer in
 full, its activations at layer boundaries, and the compressor's state (LoCo: an int8 error of
