@@ -326,8 +326,6 @@ def test_nnx_example_layers_compute_the_modules_loss():
 
 def test_a_non_finite_gradient_leaves_every_layers_compressor_state_unchanged():
   mesh = parallel.data_mesh(N)
-  # (optax.apply_if_finite cannot wrap a sharded optimizer: each device would count its own
-  # shard's steps, and its counters are declared replicated.)
   optimizer = optax.adam(1e-2)
   compressor = loco(axis_name="data", scatter=True)
   params = train_worker.layered_params(32)

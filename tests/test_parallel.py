@@ -143,8 +143,24 @@ def test_zero2_evaluates_a_callable_mask_on_the_full_shapes_like_ddp():
   assert ratio < 0.95, ratio
 
 
+def test_zero2_clips_by_the_global_norm_of_the_whole_gradient_like_ddp():
+  # zero2's optimizer runs under GSPMD on the global master shards: the norm is the whole
+  # gradient's, not one device's shard's (which would clip each shard by a different factor).
+  optimizer = lambda: optax.chain(optax.clip_by_global_norm(1e-3), optax.sgd(1.0))
+  _, ddp, _ = _train("ddp", _mean(), optimizer(), steps=1)
+  _, zero2, _ = _train("zero2", parallel.reduce_scatter("data"), optimizer(), steps=1)
+  zero2_params = parallel.unshard_params(zero2.params, _params())
+  moved = 0.0
+  for k, x in _params().items():
+    np.testing.assert_allclose(np.asarray(zero2_params[k]), np.asarray(ddp.params[k]),
+                               rtol=1e-5, atol=1e-7)
+    moved += float(np.sum((np.asarray(ddp.params[k]) - np.asarray(x)) ** 2))
+  np.testing.assert_allclose(np.sqrt(moved), 1e-3, rtol=1e-4)  # the clip did act
+
+
 def test_masks_see_full_shapes_through_inject_hyperparams_and_multi_transform():
   from loco_jax.train import masks
+  mesh = parallel.data_mesh(N)
   seen = []
   labels = lambda p: jax.tree.map(lambda x: seen.append(x.shape) or "decay", p)
   opt = optax.multi_transform(
@@ -152,8 +168,8 @@ def test_masks_see_full_shapes_through_inject_hyperparams_and_multi_transform():
           1e-2, weight_decay=1.0, mask=_ndim_mask)},
       labels)
   assert masks.evaluate_on_full_shapes(opt) == 2
-  shards = jax.tree.map(lambda x: jnp.zeros(x.shape), parallel._local_shard_shapes(_params(), N))
-  with masks.full_shapes(parallel._shapes_of(_params())):
+  shards = jax.tree.map(lambda x: jnp.zeros(x.shape), parallel.shard_params(_params(), mesh))
+  with masks.full_shapes(_params()):
     opt.init(shards)
   assert set(seen) == {x.shape for x in jax.tree.leaves(_params())}
   seen.clear()

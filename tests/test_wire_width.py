@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 from loco_jax import comm, loco
 from loco_jax.core import layout
-from loco_jax.train import parallel
+from loco_jax.train import parallel, shards
 from loco_jax.transforms import baselines
 
 N = 8
@@ -98,10 +98,10 @@ def test_zero2_param_gather_in_bf16_crosses_at_16_bits(mesh):
   like = {"w": jax.ShapeDtypeStruct((1024,), jnp.float32)}
   shard_len = layout.shard_len(1024, N)
   gather = jax.jit(jax.shard_map(
-      lambda s: parallel._gather_params({"w": s}, like, "data", jnp.bfloat16, "compute", 2048),
+      lambda s: shards.gather_params({"w": s}, like, "data", shards.ParamGather(jnp.bfloat16)),
       mesh=mesh, in_specs=P("data"), out_specs=P()))
-  shards = _on_devices(mesh, np.arange(N * shard_len, dtype=np.float32) / 7)
-  (c,) = comm.compiled_collectives(gather, shards)
+  master = _on_devices(mesh, np.arange(N * shard_len, dtype=np.float32) / 7)
+  (c,) = comm.compiled_collectives(gather, master)
   assert (c.op, c.dtype, c.nbytes) == ("all-gather", "u16", 2 * N * shard_len)
-  np.testing.assert_array_equal(np.asarray(gather(shards)["w"]),
-                                np.asarray(shards)[:1024].astype(jnp.bfloat16))
+  np.testing.assert_array_equal(np.asarray(gather(master)["w"]),
+                                np.asarray(master)[:1024].astype(jnp.bfloat16))

@@ -56,7 +56,7 @@ def _tx_bytes(interface: str) -> int:
 def _exchange(method: str, n_params: int, mesh, jax, jnp, P):
   """(jitted step(grads, state) -> (averaged, state), initial state) for `method`."""
   from loco_jax import co3, loco
-  from loco_jax.train import parallel
+  from loco_jax.train import parallel, shards
   from loco_jax.transforms import baselines
   params = {"w": jnp.zeros((n_params,), jnp.float32)}
   like = {"w": jax.ShapeDtypeStruct((n_params,), jnp.float32)}
@@ -79,7 +79,7 @@ def _exchange(method: str, n_params: int, mesh, jax, jnp, P):
   def local(g_1xN, s):
     out, s = comp.update({"w": g_1xN[0]}, s, params)
     if param_dtype is not None:  # the shards come back as full parameters
-      out = parallel._gather_params(out, like, "data", param_dtype, "compute", 2048)
+      out = shards.gather_params(out, like, "data", shards.ParamGather(param_dtype))
     return out, s
 
   step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("data"), specs),

@@ -10,7 +10,7 @@ and each layer of a stacked leaf, flattened and split into `layout.shard_len` pi
   backward  head's gradient -> compressor; a reverse scan: re-gather layer l's params, vjp of
             the block (it is recomputed), layer l's gradient -> the compressor with that
             layer's own state (LoCo's int8 error) -> this device's averaged shard; then embed
-  update    the optimizer on the master shards
+  update    the optimizer on the global master shards, under GSPMD (as zero2's)
 
 so a device holds 1/N of the params, gradients and optimizer state plus about one layer in
 full, its activations at layer boundaries, and the compressor's state (LoCo: an int8 error of
@@ -31,9 +31,10 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from loco_jax import comm
 from loco_jax.core import layout, trees
-from loco_jax.train import masks
+from loco_jax.train import masks, sharding, shards, steps
+from loco_jax.train import mesh as mesh_lib
+from loco_jax.train.state import TrainState, opt_state_specs
 
 
 class Layered(NamedTuple):
@@ -80,7 +81,7 @@ def num_layers(blocks: Any) -> int:
   return sizes.pop()
 
 
-def _check_layered(params: Any, model: LayeredModel | None = None) -> int:
+def check_layered(params: Any, model: LayeredModel | None = None) -> int:
   if not isinstance(params, Layered):
     raise ValueError(f"mode='fsdp' takes params as fsdp.Layered(embed, blocks, head) (e.g. "
                      f"models.gpt.layered_params, or Layered({{}}, {{}}, params) with "
@@ -122,10 +123,6 @@ def unstacked(params: Layered,
     return model.head(params["head"], x, batch)
   return params, loss
 
-def _shapes(tree):
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), tree)
-
-
 def _one_layer(blocks):
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x)[1:], jnp.result_type(x)),
                       blocks)
@@ -138,12 +135,10 @@ def _layer_size(x) -> int:
 def local_shard_shapes(params: Layered, num_shards: int) -> Layered:
   """Shapes of one device's float32 master shards: [shard_len] a leaf, [layers, shard_len] a
   stacked leaf."""
-  flat = lambda size: layout.shard_len(size, num_shards)
-  return Layered(
-      jax.tree.map(lambda x: jax.ShapeDtypeStruct((flat(x.size),), jnp.float32), params.embed),
-      jax.tree.map(lambda x: jax.ShapeDtypeStruct((x.shape[0], flat(_layer_size(x))),
-                                                  jnp.float32), params.blocks),
-      jax.tree.map(lambda x: jax.ShapeDtypeStruct((flat(x.size),), jnp.float32), params.head))
+  stack = lambda x: jax.ShapeDtypeStruct(
+      (x.shape[0], layout.shard_len(_layer_size(x), num_shards)), jnp.float32)
+  return Layered(shards.shard_shapes(params.embed, num_shards),
+                 jax.tree.map(stack, params.blocks), shards.shard_shapes(params.head, num_shards))
 
 
 def param_specs(params: Layered, axis_name: str) -> Layered:
@@ -156,39 +151,30 @@ def param_specs(params: Layered, axis_name: str) -> Layered:
 def shard_params(params: Layered, mesh: Mesh, axis_name: str = "data") -> Layered:
   """Full params -> global float32 master-shard arrays ([N * shard_len] a leaf, [L, N *
   shard_len] a stacked leaf: row l holds layer l's shards) placed on the mesh."""
-  from loco_jax.train import parallel  # parallel delegates mode="fsdp" here
-  _check_layered(params)
+  check_layered(params)
   n = mesh.shape[axis_name]
 
   def shard_stack(x):
-    layout = layout.leaf_layout(_layer_size(x), n, None)
-    rows = jax.vmap(lambda f: layout.shard_rows(f, layout).reshape(-1))(
+    leaf = layout.leaf_layout(_layer_size(x), n, None)
+    rows = jax.vmap(lambda f: layout.shard_rows(f, leaf).reshape(-1))(
         jnp.reshape(x, (x.shape[0], -1)).astype(jnp.float32))
     return jax.device_put(rows, NamedSharding(mesh, P(None, axis_name)))
-  return Layered(parallel.shard_params(params.embed, mesh, axis_name),
+  return Layered(shards.shard_params(params.embed, mesh, axis_name),
                  jax.tree.map(shard_stack, params.blocks),
-                 parallel.shard_params(params.head, mesh, axis_name))
+                 shards.shard_params(params.head, mesh, axis_name))
 
 
-def unshard_params(shards: Layered, like: Layered) -> Layered:
+def unshard_params(master: Layered, like: Layered) -> Layered:
   """Inverse of `shard_params` (on global arrays): full leaves shaped and typed like `like`."""
-  from loco_jax.train import parallel
   stack = lambda s, x: s[:, : _layer_size(x)].reshape(x.shape).astype(x.dtype)
-  return Layered(parallel.unshard_params(shards.embed, like.embed),
-                 jax.tree.map(stack, shards.blocks, like.blocks),
-                 parallel.unshard_params(shards.head, like.head))
+  return Layered(shards.unshard_params(master.embed, like.embed),
+                 jax.tree.map(stack, master.blocks, like.blocks),
+                 shards.unshard_params(master.head, like.head))
 
 
 def _per_layer(spec: P) -> P:
   """A per-layer state's spec, for the state stacked on a leading layer axis."""
   return P(None, *spec)
-
-
-def _opt_spec(x, axis_name: str) -> P:
-  if x.ndim > 2:
-    raise ValueError(f"mode='fsdp': an optimizer state leaf of shape {x.shape} is neither a "
-                     f"scalar, a master shard [shard_len] nor a stacked one [layers, shard_len]")
-  return (P(), P(axis_name), P(None, axis_name))[x.ndim]
 
 
 def _init_stack(compressor, blocks):
@@ -198,102 +184,134 @@ def _init_stack(compressor, blocks):
   return jax.vmap(compressor.init)(blocks)
 
 
-def init_train_state(params: Layered, optimizer: optax.GradientTransformation, mesh: Mesh,
-                     compressor: optax.GradientTransformation, axis_name: str = "data"):
-  """`parallel.init_train_state(mode="fsdp")`: master shards, per-layer compressor states."""
-  from loco_jax.train import parallel
-  _check_layered(params)
-  masks.evaluate_on_full_shapes(optimizer)
-  n = mesh.shape[axis_name]
-  like = _shapes(params)
-  layer_specs = parallel.opt_state_specs(compressor, _one_layer(params.blocks), mesh, axis_name)
-  comp_specs = Layered(
-      parallel.opt_state_specs(compressor, params.embed, mesh, axis_name),
+def _compressor_specs(compressor: optax.GradientTransformation, params: Layered, mesh: Mesh,
+                      axis_name: str) -> Layered:
+  """Specs of the compressor's state of embed, of each layer (stacked) and of head."""
+  layer_specs = opt_state_specs(compressor, _one_layer(params.blocks), mesh, axis_name)
+  return Layered(
+      opt_state_specs(compressor, params.embed, mesh, axis_name),
       jax.tree.map(_per_layer, layer_specs) if jax.tree.leaves(params.blocks) else layer_specs,
-      parallel.opt_state_specs(compressor, params.head, mesh, axis_name))
-  with masks.full_shapes(like):
-    opt_specs = jax.tree.map(lambda x: _opt_spec(x, axis_name), jax.eval_shape(
-        optimizer.init, local_shard_shapes(params, n)))
-  specs = parallel.TrainState(param_specs(params, axis_name), comp_specs, opt_specs, P())
+      opt_state_specs(compressor, params.head, mesh, axis_name))
 
-  def init(full: Layered, shards: Layered):
-    with masks.full_shapes(like):
-      opt_state = optimizer.init(shards)
-    comp_state = Layered(compressor.init(full.embed), _init_stack(compressor, full.blocks),
-                         compressor.init(full.head))
-    return parallel.TrainState(shards, comp_state, opt_state, jnp.zeros([], jnp.int32))
 
+def init_train_state(params: Layered, optimizer: optax.GradientTransformation, mesh: Mesh,
+                     compressor: optax.GradientTransformation,
+                     axes: mesh_lib.TrainAxes) -> tuple[TrainState, TrainState]:
+  """fsdp's state and its specs (`parallel.init_train_state(mode="fsdp")`).
+
+  Args:
+    params: the full params, an `fsdp.Layered`.
+    optimizer: applied to the master shards; its callable masks see the full-shaped params.
+    compressor: returns this device's shard of the averaged gradient.
+    mesh, axes: a mesh of one data axis, and its axes.
+
+  Returns:
+    (state, specs): master shards, the optimizer state split like them, one compressor state
+    for embed, each layer (stacked) and head.
+  """
+  check_layered(params)
+  masks.evaluate_on_full_shapes(optimizer)
+  master = shard_params(params, mesh, axes.name)
+  opt_init = masks.on_full_shapes(optimizer.init, sharding.shapes_of(params))
+  shard_specs = param_specs(params, axes.name)
+  specs = TrainState(
+      shard_specs, _compressor_specs(compressor, params, mesh, axes.name),
+      sharding.gspmd_state_specs(opt_init, master, shard_specs, mesh, axes.data), P())
+
+  def compressor_init(full: Layered):
+    return Layered(compressor.init(full.embed), _init_stack(compressor, full.blocks),
+                   compressor.init(full.head))
+
+  def init(full: Layered, master: Layered):
+    return TrainState(master, steps.over_data(compressor_init, mesh, axes, (P(),),
+                                              specs.compressor_state)(full),
+                      opt_init(master), jnp.zeros([], jnp.int32))
   full = jax.device_put(params, NamedSharding(mesh, P()))
-  state = jax.jit(jax.shard_map(init, mesh=mesh, in_specs=(P(), specs.params),
-                                out_specs=specs))(full, shard_params(params, mesh, axis_name))
-  return state, specs
+  return jax.jit(init, out_shardings=sharding.named(mesh, specs))(full, master), specs
 
 
-def sharded_step(model: LayeredModel, optimizer: optax.GradientTransformation, mesh: Mesh,
-                 specs, params_like: Layered, compressor: optax.GradientTransformation,
-                 axis_name: str, compute_dtype, param_gather: str, block_size: int):
-  """The jitted shard_map'd fsdp step (arguments checked by `parallel.make_train_step`)."""
-  from loco_jax.train import parallel
-  stacked = _check_layered(params_like, model) > 0
-  n = mesh.shape[axis_name]
-  like = _shapes(params_like)
+def _keep_if_finite(grads: Any, new: Any, old: Any, axis_name: str) -> Any:
+  """`new` where every gradient on every device is finite, else `old`.
+
+  zero2's one exchange keeps or skips the compressor's step as a whole; here each unit (embed,
+  a layer, head) decides alone, so a 4-byte all-reduce makes them keep or skip together.
+  """
+  finite = jnp.bool_(True)
+  for g in jax.tree.leaves(grads):
+    finite &= jnp.all(jnp.isfinite(g))
+  finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name) > 0
+  return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+
+
+def make_train_step(model: LayeredModel, optimizer: optax.GradientTransformation, mesh: Mesh,
+                    specs: TrainState, params_like: Layered,
+                    compressor: optax.GradientTransformation, axes: mesh_lib.TrainAxes,
+                    gather: shards.ParamGather) -> Callable:
+  """fsdp's jitted `step(state, batch) -> (state, mean loss)` (`parallel.make_train_step`).
+
+  Args:
+    model: the `LayeredModel`.
+    optimizer, compressor, mesh, axes: as given to `init_train_state`.
+    specs: `init_train_state`'s specs.
+    params_like: the `Layered` params given to `init_train_state`.
+    gather: how each unit's params are gathered from the master shards.
+
+  Returns:
+    The jitted step; the batch's leading axis split over the data axis.
+  """
+  stacked = check_layered(params_like, model) > 0
+  like = sharding.shapes_of(params_like)
   layer_like = _one_layer(params_like.blocks)
-  shard_shapes = local_shard_shapes(like, n)
-  hint = (" mode='fsdp' needs a compressor that returns this device's shard of each leaf "
-          "(reduce-scatter semantics), e.g. loco(axis_name=..., scatter=True) or "
-          "parallel.reduce_scatter(...).")
+  shard_like = local_shard_shapes(like, axes.size)
 
-  def gather(shards, leaves_like):
-    full = parallel._gather_params(shards, leaves_like, axis_name, compute_dtype, param_gather,
-                                   block_size)
+  def gathered(master, leaves_like):
+    full = shards.gather_params(master, leaves_like, axes.name, gather)
     # Replicated params would make the vjp psum their gradient in full precision (the
     # transpose of the implicit broadcast); marked varying, each device keeps its own.
-    return jax.lax.pcast(full, axis_name, to="varying")
+    return jax.lax.pcast(full, axes.name, to="varying")
 
-  def local_step(state, batch):
-    trees.check_same_shapes(state.params, shard_shapes, "state.params (fsdp master shards)",
+  def local_grads(master: Layered, comp: Layered, batch):
+    trees.check_same_shapes(master, shard_like, "state.params (fsdp master shards)",
                             "params_like's shards")
-    shards, comp = state.params, state.compressor_state
-    x = model.embed(gather(shards.embed, like.embed), batch)
+    x = model.embed(gathered(master.embed, like.embed), batch)
     if stacked:
       def forward(x, layer_shards):
-        return model.block(gather(layer_shards, layer_like), x), x  # keep the block's input
-      x, inputs = jax.lax.scan(forward, x, shards.blocks)
-    head_params = gather(shards.head, like.head)
+        return model.block(gathered(layer_shards, layer_like), x), x  # keep the block's input
+      x, inputs = jax.lax.scan(forward, x, master.blocks)
+    head_params = gathered(master.head, like.head)
     loss, head_vjp = jax.vjp(lambda p, x: model.head(p, x, batch), head_params, x)
     head_grads, dx = head_vjp(jnp.ones_like(loss))
     head_grads, head_comp = compressor.update(head_grads, comp.head, head_params)
-    block_grads, block_comp = shards.blocks, comp.blocks  # stay empty without a stack
+    block_grads, block_comp = master.blocks, comp.blocks  # stay empty without a stack
     if stacked:
       def backward(dy, layer):
         layer_shards, x, layer_comp = layer
-        params = gather(layer_shards, layer_like)  # gathered again: dropped after the forward
+        params = gathered(layer_shards, layer_like)  # gathered again: dropped after the forward
         _, block_vjp = jax.vjp(model.block, params, x)
         grads, dx = block_vjp(dy)
         grads, layer_comp = compressor.update(grads, layer_comp, params)
         return dx, (grads, layer_comp)
       dx, (block_grads, block_comp) = jax.lax.scan(
-          backward, dx, (shards.blocks, inputs, comp.blocks), reverse=True)
-    embed_params = gather(shards.embed, like.embed)
+          backward, dx, (master.blocks, inputs, comp.blocks), reverse=True)
+    embed_params = gathered(master.embed, like.embed)
     _, embed_vjp = jax.vjp(lambda p: model.embed(p, batch), embed_params)
     embed_grads, embed_comp = compressor.update(embed_vjp(dx)[0], comp.embed, embed_params)
     grads = Layered(embed_grads, block_grads, head_grads)
-    trees.check_same_shapes(grads, shards, "the compressor's output",
-                            "state.params (fsdp master shards)", hint)
-    # zero2's one exchange keeps or skips the compressor's step as a whole (a non-finite
-    # gradient on any device leaves its state unchanged); here each unit decides alone, so a
-    # 4-byte all-reduce makes every unit on every device keep or skip together.
-    finite = jnp.bool_(True)
-    for g in jax.tree.leaves(grads):
-      finite &= jnp.all(jnp.isfinite(g))
-    finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name) > 0
-    new_comp = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
-                            Layered(embed_comp, block_comp, head_comp), comp)
-    with masks.full_shapes(like):
-      updates, opt_state = optimizer.update(grads, state.opt_state, shards)
-    new_state = parallel.TrainState(optax.apply_updates(shards, updates), new_comp, opt_state,
-                                    state.step + 1)
-    return new_state, jax.lax.pmean(loss, axis_name)
+    trees.check_same_shapes(grads, shard_like, "the compressor's output",
+                            "state.params (fsdp master shards)",
+                            shards.scatter_hint("fsdp"))
+    new_comp = _keep_if_finite(grads, Layered(embed_comp, block_comp, head_comp), comp, axes.name)
+    return grads, new_comp, jax.lax.pmean(loss, axes.name)
 
-  return jax.jit(jax.shard_map(local_step, mesh=mesh, in_specs=(specs, P(axis_name)),
-                               out_specs=(specs, P())), donate_argnums=0)
+  sharded_grads = steps.over_data(local_grads, mesh, axes,
+                                  (specs.params, specs.compressor_state, P(axes.name)),
+                                  (specs.params, specs.compressor_state, P()))
+  update = masks.on_full_shapes(optimizer.update, like)
+
+  def step(state: TrainState, batch):
+    grads, compressor_state, loss = sharded_grads(state.params, state.compressor_state, batch)
+    updates, opt_state = update(grads, state.opt_state, state.params)  # GSPMD, on the shards
+    return (TrainState(optax.apply_updates(state.params, updates), compressor_state, opt_state,
+                       state.step + 1), loss)
+
+  return steps.jit_step(step, mesh, (specs, P()))

@@ -12,7 +12,7 @@ import contextlib
 import contextvars
 import functools
 import types
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import jax
 import optax
@@ -116,3 +116,12 @@ def evaluate_on_full_shapes(transformation: Any) -> int:
 
   visit(transformation)
   return found
+
+
+def on_full_shapes(fn: Callable, like: Any) -> Callable:
+  """`fn` run inside `full_shapes(like)`: e.g. an optimizer's init or update on master shards,
+  whose callable masks then see the full-shaped params `like`."""
+  def run(*args):
+    with full_shapes(like):
+      return fn(*args)
+  return run

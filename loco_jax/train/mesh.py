@@ -1,7 +1,9 @@
-"""Meshes and multi-host start-up: 1-D data meshes, (node, local) meshes, `initialize`."""
+"""Meshes and multi-host start-up: 1-D data meshes, (node, local) meshes, a train step's axes,
+`initialize`."""
 
 import math
 import os
+from typing import NamedTuple
 
 import jax
 from jax.sharding import AxisType, Mesh
@@ -49,6 +51,46 @@ def data_axes(mesh: Mesh, axis_name: AxisNames) -> tuple[str, ...]:
 def axes_size(mesh: Mesh, names: tuple[str, ...]) -> int:
   """Devices along the axes `names` together."""
   return math.prod(mesh.shape[a] for a in names)
+
+
+def model_axes(mesh: Mesh, data: tuple[str, ...]) -> tuple[str, ...]:
+  """The mesh axes that are not data axes: left to GSPMD and the params' own shardings."""
+  return tuple(a for a in mesh.axis_names if a not in data)
+
+
+class TrainAxes(NamedTuple):
+  """A train step's axes: averaged over by hand (data) or left to GSPMD (model)."""
+  data: tuple[str, ...]
+  model: tuple[str, ...]
+  name: str | tuple[str, ...]   # the data axes as one collective's axis_name
+  size: int                     # devices along the data axes
+
+
+def train_axes(mesh: Mesh, axis_name: AxisNames) -> TrainAxes:
+  """The data axes `axis_name` (checked against the mesh) and the model axes, all the others.
+
+  Example:
+    >>> train_axes(data_mesh(), "data")
+    TrainAxes(data=('data',), model=(), name='data', size=8)
+  """
+  data = data_axes(mesh, axis_name)
+  return TrainAxes(data, model_axes(mesh, data), data[0] if len(data) == 1 else data,
+                   axes_size(mesh, data))
+
+
+def explicit_axes(mesh: Mesh) -> tuple[str, ...]:
+  """The mesh's Explicit axes (jax's sharding in types)."""
+  return tuple(a for a, kind in zip(mesh.axis_names, mesh.axis_types)
+               if kind == AxisType.Explicit)
+
+
+def auto_mesh(mesh: Mesh) -> Mesh:
+  """The same devices and axes, every axis Auto: the mesh the train steps' shard_maps run on.
+
+  jax 0.10.2 all-gathers, at a shard_map's boundary, an input that is Explicit-sharded over an
+  axis the shard_map leaves to the compiler (docs/SHARDED.md); over Auto axes it does not.
+  """
+  return mesh.update(axis_types=(AxisType.Auto,) * len(mesh.axis_names))
 
 
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,

@@ -11,15 +11,13 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from loco_jax import comm
-from loco_jax.transforms.specs import state_specs
-from loco_jax.core import layout, local_blocks
 from loco_jax.core import leaves as leaves_lib
+from loco_jax.core import local_blocks
 from loco_jax.train import mesh as mesh_lib
+from loco_jax.transforms.specs import state_specs
 
 
 def _axes(entry) -> tuple[str, ...]:
@@ -43,8 +41,9 @@ def restrict(specs: Any, names: tuple[str, ...]) -> Any:
   return jax.tree.map(keep, specs, is_leaf=lambda x: isinstance(x, P))
 
 
-def model_axes(mesh: Mesh, data: tuple[str, ...]) -> tuple[str, ...]:
-  return tuple(a for a in mesh.axis_names if a not in data)
+def named(mesh: Mesh, specs: Any) -> Any:
+  """The specs as NamedShardings on `mesh`."""
+  return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
 
 
 def param_specs(params: Any, mesh: Mesh, data: tuple[str, ...]) -> Any:
@@ -57,7 +56,7 @@ def param_specs(params: Any, mesh: Mesh, data: tuple[str, ...]) -> Any:
     if not isinstance(sharding, NamedSharding):
       raise ValueError(f"param {leaf} has a {type(sharding).__name__}; place params with "
                        f"jax.device_put(x, NamedSharding(mesh, P(...))) over the model axes "
-                       f"{model_axes(mesh, data)}, or as plain arrays (replicated)")
+                       f"{mesh_lib.model_axes(mesh, data)}, or as plain arrays (replicated)")
     if dict(sharding.mesh.shape) != dict(mesh.shape):
       raise ValueError(f"param {leaf} is placed on a mesh of axes {dict(sharding.mesh.shape)}, "
                        f"the train step's mesh has {dict(mesh.shape)}: place it on that mesh")
@@ -66,7 +65,7 @@ def param_specs(params: Any, mesh: Mesh, data: tuple[str, ...]) -> Any:
       raise ValueError(f"param {leaf} is split over the data axis {on_data[0]!r} "
                        f"({sharding.spec}); the train step averages over {data} and splits "
                        f"params over them itself (mode='zero2'): split params over the model "
-                       f"axes {model_axes(mesh, data)} only, e.g. P(None, 'model')")
+                       f"axes {mesh_lib.model_axes(mesh, data)} only, e.g. P(None, 'model')")
     return sharding.spec
   return jax.tree_util.tree_map_with_path(spec, params)
 
@@ -89,26 +88,20 @@ def shapes_of(params: Any) -> Any:
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), params)
 
 
-def _per_device_shapes(init: Callable, params: Any, mesh: Mesh, data: tuple[str, ...],
+def device_state_shapes(init: Callable, params: Any, mesh: Mesh, data: tuple[str, ...],
                        specs: Any = None):
-  """`init(params)`'s shapes on one device (data axes bound, so init can ask their size), and
-  its data specs: `state_specs` splits fields that differ per device over the data axes.
-  With `specs` (the full-shaped params' specs) init runs on the blocks of a shard_map manual
-  over the model axes, as the train step runs it: LoCo's state there is per group of leaves,
-  split over 'model' or not."""
-  def per_device(p):
-    bound = lambda _: init(p)
-    for name in reversed(data):
-      bound = jax.vmap(bound, axis_name=name, axis_size=mesh.shape[name])
-    return bound(jnp.zeros([mesh.shape[a] for a in data]))
-  model = model_axes(mesh, data)
-  if specs is None or not model:
-    stacked = jax.eval_shape(per_device, params)
-  else:
-    stacked = local_blocks.shapes_inside(per_device, mesh, (restrict(specs, model),), model,
-                                       params)
-  shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[len(data):], x.dtype), stacked)
-  return shapes, state_specs(stacked, _entry(data))
+  """`init(params)`'s shapes on one device, and its data specs (`state_specs` splits the fields
+  that differ per device over the data axes).
+
+  init runs in a shard_map manual over the data axes, so it can ask their size. With `specs`
+  (the full-shaped params' specs) it is manual over the model axes too: init then sees each
+  device's own blocks, as the train step's nested shard_map gives them, and LoCo's state is
+  per group of leaves, split over 'model' or not.
+  """
+  axes = data if specs is None else data + mesh_lib.model_axes(mesh, data)
+  in_specs = P() if specs is None else restrict(specs, axes)
+  shapes = local_blocks.shapes_inside(init, mesh_lib.auto_mesh(mesh), (in_specs,), axes, params)
+  return shapes, state_specs(shapes, _entry(data))
 
 
 def _with_param_index(tree: Any, params_like: Any) -> list[int | None]:
@@ -164,113 +157,102 @@ def _bucket_axes(state: Any) -> list[tuple[str, ...] | None]:
 
 
 def local_state_specs(init: Callable, params: Any, specs: Any, mesh: Mesh,
-                      data: tuple[str, ...], *, on_shards: bool = False) -> Any:
-  """Full specs of the state `init` makes from each device's own block of `params` (specs:
-  the params' full specs; `params` full-shaped, or master shards with `on_shards`).
+                      data: tuple[str, ...]) -> Any:
+  """Full specs of the state `init` makes from each device's own block of `params`.
 
-  Per device over the data axes: the fields `state_specs` names (LoCo's errors), or with
-  `on_shards` (zero2's optimizer) every array. Over the model axes: a leaf shaped like its
-  param's block is split like the param (adam's mu); any other array of a model-split param
-  (a flat error per leaf) is split over the param's model axes on dimension 0; LoCo's buckets
-  over the model axes their group of leaves is split over; an array of no param over every
-  model axis (each device keeps its own); scalars are replicated.
+  Args:
+    init: a transformation's init, run where the train step runs its update.
+    params: the full-shaped params (arrays or ShapeDtypeStructs).
+    specs: the params' full specs on the mesh.
+    mesh: the train step's mesh.
+    data: the data axes.
+
+  Returns:
+    Per device over the data axes: the fields `state_specs` names (LoCo's errors). Over the
+    model axes: a leaf shaped like its param's block is split like the param; any other array
+    of a model-split param (a flat error per leaf) is split over the param's model axes on
+    dimension 0; LoCo's buckets over the model axes their group of leaves is split over; an
+    array of no param over every model axis (each device keeps its own); scalars replicated.
   """
-  model = model_axes(mesh, data)
-  leaves, treedef = jax.tree.flatten(params)
-  spec_leaves = treedef.flatten_up_to(specs)
-  if on_shards:
-    blocks = leaves
-    shapes, data_specs = _per_device_shapes(init, params, mesh, data)
-  else:
-    blocks = jax.tree.leaves(local_shapes(shapes_of(params), specs, mesh))
-    shapes, data_specs = _per_device_shapes(init, shapes_of(params), mesh, data, specs)
+  model = mesh_lib.model_axes(mesh, data)
+  spec_leaves = jax.tree.structure(params).flatten_up_to(specs)
+  blocks = jax.tree.leaves(local_shapes(shapes_of(params), specs, mesh))
+  shapes, data_specs = device_state_shapes(init, shapes_of(params), mesh, data, specs)
   shape_leaves, state_def = jax.tree.flatten(shapes)
-  data_leaves = state_def.flatten_up_to(data_specs)
   out = []
-  for x, d, i, group in zip(shape_leaves, data_leaves, _with_param_index(shapes, params),
-                            _bucket_axes(shapes)):
+  for x, d, i, group in zip(shape_leaves, state_def.flatten_up_to(data_specs),
+                            _with_param_index(shapes, params), _bucket_axes(shapes)):
     if not x.ndim:
       out.append(d)
       continue
-    leaf_data = data if on_shards else spec_axes(d)
     if group is not None:  # per group of leaves: split over the model axes its leaves are
       model_spec = P(_entry(tuple(a for a in model if a in group)))
     elif i is None:
       model_spec = P(_entry(model))
-    elif x.shape == blocks[i].shape and not on_shards:
+    elif x.shape == blocks[i].shape:
       model_spec = restrict(spec_leaves[i], model)
     else:
       model_spec = P(_entry(tuple(a for a in spec_axes(spec_leaves[i]) if a in model)))
-    out.append(_combine(model_spec, leaf_data))
+    out.append(_combine(model_spec, spec_axes(d)))
   return state_def.unflatten(out)
 
 
-def global_state_specs(optimizer: optax.GradientTransformation, params: Any, specs: Any,
-                       mesh: Mesh, data: tuple[str, ...]) -> Any:
-  """Full specs of an optimizer state that GSPMD updates over the model axes (after the
-  average): a leaf shaped like its param is split like it (adam's mu), the rest replicated."""
-  model = model_axes(mesh, data)
-  shapes, data_specs = _per_device_shapes(optimizer.init, shapes_of(params), mesh, data)
-  if model and any(spec_axes(s) for s in jax.tree.leaves(data_specs)):
+def gspmd_state_specs(init: Callable, params: Any, specs: Any, mesh: Mesh,
+                      data: tuple[str, ...], *, per_device: bool = False) -> Any:
+  """Full specs of an optimizer state that GSPMD updates: ddp's after the average, zero2's and
+  fsdp's on the global master shards.
+
+  Args:
+    init: the optimizer's init.
+    params: what init is given (the full params, or the global master shards' shapes).
+    specs: their full specs on the mesh.
+    mesh: the train step's mesh.
+    data: the data axes.
+    per_device: whether fields that differ per device (a compressor inside the optimizer) are
+      allowed: ddp on a mesh of data axes only, where the optimizer averages.
+
+  Returns:
+    A leaf shaped like its param is split like it (adam's mu); a per-device field over the data
+    axes; the rest replicated.
+  """
+  model = mesh_lib.model_axes(mesh, data)
+  shapes, data_specs = device_state_shapes(init, shapes_of(params), mesh, data)
+  shape_leaves, state_def = jax.tree.flatten(shapes)
+  data_leaves = state_def.flatten_up_to(data_specs)
+  if any(spec_axes(d) for d in data_leaves) and (model or not per_device):
+    where = f"on a mesh with model axes {model}" if model else "with master shards"
     raise ValueError(
-        f"the optimizer holds per-device state (a compressor such as loco inside it); on a mesh "
-        f"with model axes {model} pass the averaging transformation as compressor= and the rest "
-        f"as the optimizer, e.g. compressor=loco(axis_name={_entry(data)!r}), "
-        f"optimizer=optax.adamw(...), so that it compresses each device's own model shard")
+        f"the optimizer holds per-device state (a compressor such as loco inside it); {where} "
+        f"pass the averaging transformation as compressor= and the rest as the optimizer, e.g. "
+        f"compressor=loco(axis_name={_entry(data)!r}), optimizer=optax.adamw(...), so that it "
+        f"compresses each device's own shard")
   leaves, treedef = jax.tree.flatten(params)
   spec_leaves = treedef.flatten_up_to(specs)
-  shape_leaves, state_def = jax.tree.flatten(shapes)
-  out = [spec_leaves[i] if i is not None and x.shape == jnp.shape(leaves[i]) and model
-         else d for x, d, i in zip(shape_leaves, state_def.flatten_up_to(data_specs),
-                                   _with_param_index(shapes, params))]
+  like_param = lambda x, i: i is not None and x.shape == jnp.shape(leaves[i])
+  out = [spec_leaves[i] if like_param(x, i) and not spec_axes(d) else d
+         for x, d, i in zip(shape_leaves, data_leaves, _with_param_index(shapes, params))]
   return state_def.unflatten(out)
-
-
-def opt_state_specs(optimizer: optax.GradientTransformation, params, mesh: Mesh,
-                    axis_name: str | tuple[str, ...]):
-  """PartitionSpecs of `optimizer.init(params)` inside shard_map: LoCo errors per device."""
-  data = mesh_lib.data_axes(mesh, axis_name)
-  return _per_device_shapes(optimizer.init, params, mesh, data)[1]
 
 
 def master_specs(specs: Any, mesh: Mesh, data: tuple[str, ...]) -> Any:
   """zero2's float32 master shards: 1-D, split over the data axes and the param's model axes."""
-  model = model_axes(mesh, data)
+  model = mesh_lib.model_axes(mesh, data)
   return jax.tree.map(lambda s: P(_entry(data + tuple(a for a in spec_axes(s) if a in model))),
                       specs, is_leaf=lambda x: isinstance(x, P))
 
 
-def shard_params(params, mesh: Mesh, axis_name: str | tuple[str, ...] = "data"):
-  """Full params -> float32 master shards per leaf: a global 1-D array split over the data
-  axes (and over a model-split param's model axes: each device shards its own model block)."""
-  data = mesh_lib.data_axes(mesh, axis_name)
-  n = mesh_lib.axes_size(mesh, data)
-  specs = param_specs(params, mesh, data)
-
-  def shard(x):  # this device's model block -> its row over the data axes
-    rows = layout.shard_rows(jnp.ravel(x).astype(jnp.float32), layout.leaf_layout(x.size, n, None))
-    return rows[jax.lax.axis_index(data)]
-  placed = jax.device_put(params, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
-  return jax.jit(jax.shard_map(lambda p: jax.tree.map(shard, p), mesh=mesh, in_specs=(specs,),
-                               out_specs=master_specs(specs, mesh, data)))(placed)
-
-
-def unshard_params(shards, like, axis_name: str | tuple[str, ...] = "data"):
-  """Inverse of `shard_params`: the full leaves, shaped and typed like `like`. Where `like`'s
-  leaves are split over model axes (`NamedSharding`s, as given to `shard_params`), each
-  device gathers its model block over the data axes and the result is split like `like`."""
-  named = [x.sharding for x in jax.tree.leaves(like)
-           if isinstance(getattr(x, "sharding", None), NamedSharding)]
-  if named:
-    mesh = named[0].mesh
-    data = mesh_lib.data_axes(mesh, axis_name)
-    specs = param_specs(like, mesh, data)
-    if any(a not in data for s in jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
-           for a in spec_axes(s)):
-      blocks = local_shapes(shapes_of(like), specs, mesh)
-      gather = lambda s, b: jax.lax.all_gather(s, data, tiled=True)[: b.size].reshape(
-          b.shape).astype(b.dtype)
-      return jax.jit(jax.shard_map(lambda t: jax.tree.map(gather, t, blocks), mesh=mesh,
-                                   in_specs=(master_specs(specs, mesh, data),),
-                                   out_specs=specs, check_vma=False))(shards)  # gathered
-  return jax.tree.map(lambda s, x: s[: x.size].reshape(x.shape).astype(x.dtype), shards, like)
+def train_param_specs(params: Any, mesh: Mesh, axes: mesh_lib.TrainAxes,
+                      axis_name: mesh_lib.AxisNames) -> Any:
+  """The params' specs (`param_specs`); a ValueError for a model axis that splits none of
+  them, along which every device would repeat the same work on the same batch."""
+  specs = param_specs(params, mesh, axes.data)
+  used = {a for s in jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
+          for a in spec_axes(s)}
+  idle = [a for a in axes.model if a not in used and mesh.shape[a] > 1]
+  if idle:
+    averaged = tuple(a for a in mesh.axis_names if a in axes.data or a in idle)
+    raise ValueError(f"mesh axis {idle[0]!r} is not in axis_name={axis_name!r} and splits no "
+                     f"param, so every device along it would repeat the same work: average over "
+                     f"it too (axis_name={averaged!r}) or split params over it "
+                     f"(NamedSharding(mesh, P(None, {idle[0]!r})))")
+  return specs

@@ -1,7 +1,7 @@
 """CO3 on a mesh: every device serves 1/n of every leaf, as LoCo's exchange does.
 
 Per-shard exchange (`all_to_all`): each device lays its symbols out in rows, one per device
-(`comm.shard_rows`: row j is device j's shard of every leaf), codes each row into a slot of ONE
+(`layout.shard_rows`: row j is device j's shard of every leaf), codes each row into a slot of ONE
 all-to-all (`comm.coded`), decodes the n - 1 rows it receives, averages them in float32 with
 each sender's scales, and all-gathers its averaged shard: in bf16, or (`gather="coded"`)
 converted to the same small float with a decaying error of its own and coded again. A device

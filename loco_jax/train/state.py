@@ -1,0 +1,89 @@
+"""Train states, and an optimizer's state on a mesh for a shard_map step of your own."""
+
+from typing import Any, NamedTuple
+
+import jax
+import optax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from loco_jax.core import local_blocks
+from loco_jax.train import mesh as mesh_lib
+from loco_jax.train import sharding
+
+
+class TrainState(NamedTuple):
+  """A train step's state (or its PartitionSpecs).
+
+  params: as placed (ddp); zero2: this device's float32 master shard of each leaf (of its own
+  model block on a mesh with model axes); fsdp: an fsdp.Layered whose stacked leaves hold one
+  shard a layer.
+  """
+  params: Any
+  compressor_state: Any
+  opt_state: Any
+  step: jax.Array
+
+
+def _told_init(optimizer: optax.GradientTransformation, specs: Any):
+  """`optimizer.init`, told the params' specs (`local_blocks.leaf_specs`) where they split them
+  over model axes: transformations then keep state for each device's own blocks."""
+  if not any(sharding.spec_axes(s) for s in jax.tree.leaves(
+      specs, is_leaf=lambda x: isinstance(x, P))):
+    return optimizer.init
+
+  def init(params):
+    with local_blocks.leaf_specs(specs):
+      return optimizer.init(params)
+  return init
+
+
+def opt_state_specs(optimizer: optax.GradientTransformation, params: Any, mesh: Mesh,
+                    axis_name: mesh_lib.AxisNames = "data") -> Any:
+  """PartitionSpecs of `optimizer.init(params)` in a shard_map manual over the data axes.
+
+  Args:
+    optimizer: the transformation, e.g. `optax.chain(loco(axis_name="data"), optax.adamw(...))`.
+    params: the params, plain or placed with NamedShardings over the mesh's model axes.
+    mesh: the mesh.
+    axis_name: the data axes (one mesh axis or a tuple).
+
+  Returns:
+    Specs over the data axes: LoCo's errors (the fields `state_specs` names) split over them,
+    the rest replicated. On a mesh with model axes the state is that of a transformation built
+    with `specs=`, or told the params' NamedShardings: LoCo's buckets per group of leaves.
+  """
+  data = mesh_lib.data_axes(mesh, axis_name)
+  init = _told_init(optimizer, sharding.param_specs(params, mesh, data))
+  return sharding.device_state_shapes(init, params, mesh, data)[1]
+
+
+def init_opt_state(optimizer: optax.GradientTransformation, params: Any, mesh: Mesh,
+                   axis_name: mesh_lib.AxisNames = "data") -> tuple[Any, Any]:
+  """Runs `optimizer.init` on every device of the mesh, for a shard_map of your own.
+
+  Args:
+    optimizer: the transformation.
+    params: the params, plain or placed with NamedShardings over the mesh's model axes.
+    mesh: the mesh; axes other than `axis_name` are model axes, left to the compiler.
+    axis_name: the data axes (one mesh axis or a tuple).
+
+  Returns:
+    (state, specs): the state on the mesh, and its specs over the data axes, for the
+    in_specs and out_specs of a `jax.shard_map` manual over them (`axis_names=`). Where the
+    params are split over model axes the state is kept for each device's own blocks: build the
+    transformation with `specs=` (the params' PartitionSpecs), or update it under
+    `loco_jax.core.local_blocks.leaf_specs(specs)`, so that the update does the same.
+
+  Example:
+    >>> opt = optax.chain(loco_jax.loco(axis_name="data"), optax.adamw(1e-3))
+    >>> state, specs = init_opt_state(opt, params, mesh_lib.data_mesh())
+    >>> specs[0].error[""][0] == P("data")   # LoCo's error differs per device
+    True
+  """
+  data = mesh_lib.data_axes(mesh, axis_name)
+  init = _told_init(optimizer, sharding.param_specs(params, mesh, data))
+  specs = sharding.device_state_shapes(init, params, mesh, data)[1]
+  run = jax.jit(jax.shard_map(init, mesh=mesh, in_specs=P(), out_specs=specs,
+                              axis_names=set(data)))
+  return run(params), specs
