@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 from loco_jax.train import files, parallel
 from loco_jax.train import sharding as sharding_lib
 from loco_jax.train.checkpoint_steps import FORMAT, MAX_METADATA_BYTES, READABLE_FORMATS
-from loco_jax.train.mesh import AxisNames, data_axes
+from loco_jax.train.mesh import AxisNames, data_axes, model_axes
 
 _MAX_LISTED = 8  # differences named in full; the rest are counted
 
@@ -206,5 +206,5 @@ def train_layout(mesh: Mesh, params: Any, *, mode: str, axis_name: AxisNames = "
   specs = sharding_lib.param_specs(params, mesh, data)
   leaves = jax.tree_util.tree_leaves_with_path(specs, is_leaf=lambda x: isinstance(x, P))
   return {"mode": mode, "data axes": list(data),
-          "model axes": list(sharding_lib.model_axes(mesh, data)),
+          "model axes": list(model_axes(mesh, data)),
           "params": {jax.tree_util.keystr(path): spec_record(s) for path, s in leaves}}

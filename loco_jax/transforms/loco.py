@@ -78,6 +78,12 @@ def _check_exchange(axis_name, gather: str, scatter: bool) -> Exchange:
   return Exchange(axis_name, gather, bool(scatter))
 
 
+def is_placeholder(params: Any) -> bool:
+  """Whether `params` is an object of no leaves that is not a container (optax's stand-in for
+  the params in `optax.tree_map_params`): init then marks its fields as not like the params."""
+  return not jax.tree.leaves(params) and not isinstance(params, (dict, list, tuple, type(None)))
+
+
 def bucket_plans(grads: leaves.Leaves, rows: int, block_size: int) -> dict:
   """{group key: the bucket layout of the group's leaves} (`buckets.plan`)."""
   return {group.key: buckets.plan(tuple(x.size if i in group.indices else 0
@@ -229,7 +235,7 @@ def loco(bits: int = 4, scale: float | None = None, error_bits: int | None = Non
   mode = _check_exchange(axis_name, gather, scatter)
 
   def init_fn(params):
-    if not jax.tree.leaves(params):  # no leaves, or optax.tree_map_params's placeholder
+    if is_placeholder(params):  # optax.tree_map_params's: no state here mirrors the params
       return LocoState(jnp.zeros([], jnp.int32), *[jnp.zeros([], jnp.int8)] * 5)
     grads = leaves.split(params, axis_name)
     groups = {key: init_group(plan, s.error_scale is None, mode.quantized_gather)
