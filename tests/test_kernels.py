@@ -334,3 +334,54 @@ def test_pallas_calls_trace_under_shard_map_with_varying_outputs():
   for call in calls:
     for var in call.invars + call.outvars:
       assert var.aval.manual_axis_type.varying == {"data"}, (call, var)
+
+
+# --- Blocks near the float32 maximum: subnormal scales (qmax / max|h| below 2**-126) ---------
+
+NEAR_MAX = np.array([np.finfo(F32).max, 3e38, 2e38, 1e38, 1.0], F32)
+
+
+def _near_max_gradients(seed: int, block: int) -> np.ndarray:
+  """One block per magnitude in NEAR_MAX, uniform below it, its first value the magnitude."""
+  g = np.random.default_rng(seed).uniform(-1, 1, (NEAR_MAX.size, block)) * NEAR_MAX[:, None]
+  g[:, 0] = NEAR_MAX
+  return g.astype(F32).reshape(-1)
+
+
+@pytest.mark.parametrize("implementation, bits, error_bits, beta", [
+    ("jnp", 2, 8, 0.8), ("jnp", 3, 8, 0.8), ("jnp", 2, 2, 0.0), ("jnp", 1, 8, 0.8),
+    *[(impl, 2, e, b) for impl in IMPLEMENTATIONS[1:] for e, b in ((8, 0.8), (2, 0.0))]])
+def test_steps_near_the_float32_maximum_match_the_reference(implementation, bits, error_bits,
+                                                            beta):
+  """Blocks above qmax * 2**126 (8.5e37 at 2 bits, 2.6e38 at 3) have subnormal scales, payload
+  and (at 2 error bits) error alike: three steps, each from the one before's error, agree with
+  the float64 reference, and the first delivers each block's top value whole."""
+  blocks, block = NEAR_MAX.size, 64
+  step = _jit_step(implementation, bits=bits, error_bits=error_bits, beta=beta,
+                   block_size=block)
+  error, error_scale = np.zeros(blocks * block, np.int8), np.zeros(blocks, F32)
+  for k in range(3):
+    g = _near_max_gradients(k, block)
+    out = step(g, error, error_scale, jnp.bool_(False))
+    found = _check(out, g, error, error_scale, blocks, bits=bits, error_bits=error_bits,
+                   beta=beta, reset=False)
+    assert found.passed, (k, found)
+    if k == 0 and bits > 1:  # 1 bit's grid {-1, 0} has no positive code
+      top = np.asarray(out.decompressed).reshape(blocks, block)[:, 0]
+      np.testing.assert_allclose(top, NEAR_MAX, rtol=2.0 ** -20)
+    error, error_scale = np.asarray(out.error), np.asarray(out.error_scale)
+  if error_bits == 2:
+    assert np.any((error_scale > 0) & (error_scale < quant.TINY))  # the case was reached
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_dequantize_mean_of_subnormal_scales(implementation):
+  """Peers' scales in [2**-128, 2**-126): their q / s reach the float32 maximum (and beyond it,
+  where the mean saturates)."""
+  received, _, codes = _peer_payloads(4, 6, bits=2, block=32)
+  scales = np.random.default_rng(0).uniform(2.0 ** -128, 2.0 ** -126, (4, 6)).astype(F32)
+  options = dict(implementation=implementation,
+                 interpret=True if implementation == "pallas" else None)
+  got = jax.jit(lambda r, s: kernels.dequantize_mean(r, s, bits=2, **options))(received, scales)
+  assert reference.mean_off(np.asarray(got), codes, scales) == 0
+  assert np.abs(np.asarray(got)).max() > 1e38

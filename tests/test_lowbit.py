@@ -149,7 +149,8 @@ def test_rms_scale_does_not_overflow_near_the_float32_maximum():
                  jnp.full((16,), 3e38, jnp.float32).at[0].set(-3e38)])
   s = np.asarray(quant.rms_scale(x, 2, 1.5))   # rms = max|x| there: the max bounds the range
   assert float(s[0]) == pytest.approx(1e-37, rel=1e-6)
-  assert float(s[1]) == quant.TINY  # 1 / 3e38 is subnormal: scales stop at the smallest normal
+  # 1 / 3e38 is below the smallest normal float32: the scale is the subnormal nearest it.
+  assert float(s[1]) == pytest.approx(1 / 3e38, rel=2.0 ** -21) and float(s[1]) < quant.TINY
 
 
 def test_error_feedback_with_rms_scale_quantizes_as_numpy():
@@ -275,3 +276,53 @@ def test_demo_width_methods_compress_to_their_width(method, bits):
   block = loco_settings.defaults_for(bits)["block_size"] if method.startswith("loco") else 2048
   for w in np.asarray(out["w"]).reshape(-1, block):
     assert 1 < len(np.unique(w)) <= 2 ** bits and np.isfinite(w).all()
+
+
+# --- Gradients near the float32 maximum: delivered whole at every width ------------------------
+
+F32_MAX = float(np.finfo(np.float32).max)
+EXTREMES = np.array([1e38, 2e38, 3e38, F32_MAX])
+EXTREME_BLOCK = 64
+WIDTHS = [(bits, method, clip) for bits in (2, 3, 4, 8)
+          for method, clip in (("absmax", None), ("rms", 4.0))]
+
+
+def _extreme_grads() -> dict:
+  """Blocks of +-magnitude alternating, one magnitude of EXTREMES a block: every block's max|g|
+  and rms are its magnitude, a code of its grid (+-1 step) at every width and scale method."""
+  i = np.arange(N * 4 * EXTREME_BLOCK)
+  g = np.where(i % 2, -1.0, 1.0) * EXTREMES[i // EXTREME_BLOCK % EXTREMES.size]
+  return {"w": jnp.asarray(g, jnp.float32)}
+
+
+def _extreme_loco(bits, scale_method, clip_rms, **kwargs):
+  return loco(bits=bits, scale_method=scale_method, clip_rms=clip_rms,
+              block_size=EXTREME_BLOCK, **kwargs)
+
+
+@pytest.mark.parametrize("bits, scale_method, clip_rms", WIDTHS)
+def test_gradients_near_the_maximum_come_out_whole_in_local_mode(bits, scale_method, clip_rms):
+  """The scale qmax / max|h| is subnormal above qmax * 2**126: floored at 2**-126 it capped a
+  2-bit output at 8.5e37 (1e38 came out as 0.85x, for ever) and a 3-bit one at 2.55e38."""
+  grads = _extreme_grads()
+  opt = _extreme_loco(bits, scale_method, clip_rms)
+  update, state = jax.jit(opt.update), opt.init(grads)
+  for _ in range(3):
+    out, state = update(grads, state)
+    np.testing.assert_allclose(np.asarray(out["w"]), np.asarray(grads["w"]), rtol=2.0 ** -20)
+
+
+@pytest.mark.parametrize("bits, scale_method, clip_rms", WIDTHS)
+def test_gradients_near_the_maximum_come_out_whole_through_the_mesh_mean(mesh, bits,
+                                                                          scale_method, clip_rms):
+  grads = _extreme_grads()
+  opt = _extreme_loco(bits, scale_method, clip_rms, axis_name="data")
+  state, specs = parallel.init_opt_state(opt, grads, mesh)
+  update = lambda g, s: opt.update(jax.tree.map(lambda x: x[0], g), s)
+  step = jax.jit(jax.shard_map(update, mesh=mesh, in_specs=({"w": P("data")}, specs),
+                               out_specs=({"w": P()}, specs)))
+  stacked = {"w": jnp.stack([grads["w"]] * N)}
+  for _ in range(2):
+    out, state = step(stacked, state)
+    # The mean of 8 equal gradients, gathered in bfloat16.
+    np.testing.assert_allclose(np.asarray(out["w"]), np.asarray(grads["w"]), rtol=2.0 ** -7)

@@ -5,6 +5,7 @@ import re
 from typing import NamedTuple, Sequence
 
 import jax
+import numpy as np
 
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
                 "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "s4": 0.5, "u4": 0.5}
@@ -14,10 +15,15 @@ _INSTRUCTION = re.compile(
     r"(?P<op>" + "|".join(_COLLECTIVES) + r")(?P<start>-start)?\((?P<attrs>.*)$")
 _SHAPE = re.compile(r"(\w+)\[([\d,]*)\]")
 
+Groups = tuple[tuple[int, ...], ...]
+
 
 class Collective(NamedTuple):
   """One collective of a lowered step: `nbytes` is the full buffer (gathered or pre-scatter).
 
+  `groups` are the device groups it runs over (the program's device numbers: positions in the
+  mesh's flattened device array), `group_size` the size of the largest. A collective-permute
+  has `pairs`, its (source, target) devices, and for groups the sets of devices they connect.
   `conditional` marks one inside a branch of a conditional (a rare path such as CO3's
   overflow), which a step does not always run.
   """
@@ -26,10 +32,16 @@ class Collective(NamedTuple):
   nbytes: float
   group_size: int
   conditional: bool = False
+  groups: Groups = ()
+  pairs: tuple[tuple[int, int], ...] = ()
 
   @property
   def sent_bytes(self) -> float:
-    """Bytes each device sends: ring all-reduce 2(n-1)/n b; the others (n-1)/n b."""
+    """Bytes each device sends: ring all-reduce 2(n-1)/n b; the others (n-1)/n b (n: the
+    group size); a collective-permute b, from each device whose target is another (0 if every
+    pair keeps its data on one device)."""
+    if self.op == "collective-permute":
+      return float(self.nbytes) if any(s != t for s, t in self.pairs) else 0.0
     n = self.group_size
     factor = 2 * (n - 1) / n if self.op == "all-reduce" else (n - 1) / n
     return factor * self.nbytes
@@ -49,18 +61,124 @@ def _shape_bytes(text: str) -> tuple[str, float]:
   return ",".join(sorted(set(dtypes))), total
 
 
-def _group_size(attrs: str, default: int) -> int:
-  groups = re.search(r"replica_groups=\{\{([\d,]*)\}", attrs)
-  if groups:
-    return len(groups.group(1).split(","))
-  iota = re.search(r"replica_groups=\[(\d+),(\d+)\]", attrs)
-  if iota:
-    return int(iota.group(2))
-  return default
+# The replica-group forms XLA prints (xla/hlo/ir/replica_group.cc): explicit lists, `{}` (every
+# device in one group), iota lists `[groups,size]<=[dims]T(perm)`, and mesh axes
+# `mesh['a'=2,'b'=4], device_ids=([4,2]T(1,0)) {'a','b':(2)2}`.
+_INTS = r"\d+(?:,\d+)*"
+_LISTS = re.compile(r"replica_groups=\{((?:\{(?:" + _INTS + r")?\},?)*)\}")
+_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=\[(" + _INTS + r")\]"
+                   r"(?:T\((" + _INTS + r")\))?")
+_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]"
+                   r"(?:, device_ids=\(\[(" + _INTS + r")\](?:T\((" + _INTS + r")\))?\))?"
+                   r" \{([^}]*)\}")
+_NAME = r"'([^']*)'|([\w.\-]+)"
+_MESH_AXIS = re.compile(r"(?:" + _NAME + r")=(\d+)$")
+_AXIS_REF = re.compile(r"(?:" + _NAME + r")(?::\((\d+)\)(\d+))?$")
+_PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
+
+
+def _ints(text: str | None) -> list[int]:
+  return [int(x) for x in text.split(",")] if text else []
+
+
+def _rows(devices: np.ndarray, size: int) -> Groups:
+  return tuple(map(tuple, devices.reshape(-1, size).tolist()))
+
+
+def _iota(dims: list[int], perm: list[int]) -> np.ndarray:
+  """XLA's iota tile assignment [dims]T(perm): arange reshaped to dims, then transposed."""
+  return np.arange(math.prod(dims)).reshape(dims).transpose(perm or range(len(dims)))
+
+
+def _mesh_groups(axes_text: str, ids: str | None, perm: str | None, refs_text: str) -> Groups:
+  """Groups of a `mesh[...] {axes}` list: the device array reshaped so that every listed
+  (sub-)axis is a dimension, those dimensions moved last (in the order listed), and cut into
+  rows (MeshAxesReplicaGroupList::flattened_replica_groups)."""
+  names, sizes = [], []
+  for entry in axes_text.split(","):
+    m = _MESH_AXIS.match(entry.strip())
+    if not m:
+      raise ValueError(f"mesh axis {entry!r}")
+    names.append(m.group(1) if m.group(1) is not None else m.group(2))
+    sizes.append(int(m.group(3)))
+  devices = (_iota(_ints(ids), _ints(perm)) if ids else np.arange(math.prod(sizes)))
+  refs = []  # (mesh axis, pre-size, size) of each listed axis, in the order listed
+  for entry in filter(None, (e.strip() for e in refs_text.split(","))):
+    m = _AXIS_REF.match(entry)
+    name = m and (m.group(1) if m.group(1) is not None else m.group(2))
+    if name not in names:
+      raise ValueError(f"axis {entry!r}")
+    axis = names.index(name)
+    refs.append((axis, int(m.group(3)), int(m.group(4))) if m.group(3) else (axis, 1, sizes[axis]))
+  dims, grouped = [], {}
+  for axis, full in enumerate(sizes):
+    covered = 1  # the product of this axis's dimensions so far, major to minor
+    for ref in sorted((r for r in refs if r[0] == axis), key=lambda r: r[1]):
+      _, pre, size = ref
+      if pre % covered or full % (pre * size):
+        raise ValueError(f"sub-axis {ref} of an axis of {full}")
+      if pre != covered:
+        dims.append(pre // covered)
+      grouped[ref] = len(dims)
+      dims.append(size)
+      covered = pre * size
+    if covered != full:
+      dims.append(full // covered)
+  last = [grouped[r] for r in refs]
+  order = [d for d in range(len(dims)) if d not in last] + last
+  group_size = math.prod(dims[d] for d in last)
+  return _rows(devices.reshape(dims).transpose(order), group_size)
+
+
+def _components(pairs: list[tuple[int, int]]) -> Groups:
+  """The sets of devices that a collective-permute's pairs connect, each sorted."""
+  parent: dict[int, int] = {}
+
+  def root(x: int) -> int:
+    while parent.setdefault(x, x) != x:
+      x = parent[x]
+    return x
+
+  for s, t in pairs:
+    parent[root(s)] = root(t)
+  members: dict[int, list[int]] = {}
+  for x in sorted(parent):
+    members.setdefault(root(x), []).append(x)
+  return tuple(sorted(tuple(m) for m in members.values()))
+
+
+def replica_groups(line: str, num_devices: int) -> tuple[Groups, tuple[tuple[int, int], ...]]:
+  """(groups, source-target pairs) of one collective's HLO line, in every form XLA prints;
+  `{}` is every one of `num_devices` devices in one group. A ValueError naming the line for a
+  form it does not know (never a guess).
+
+  Example:
+    >>> replica_groups("replica_groups=[2,4]<=[4,2]T(1,0), dimensions={0}", 8)[0]
+    ((0, 2, 4, 6), (1, 3, 5, 7))
+  """
+  try:
+    if m := _MESH.search(line):
+      return _mesh_groups(*m.groups()), ()
+    if m := _IOTA.search(line):
+      count, size, dims, perm = int(m.group(1)), int(m.group(2)), _ints(m.group(3)), m.group(4)
+      if count * size != math.prod(dims):
+        raise ValueError(f"{count} groups of {size} from {math.prod(dims)} devices")
+      return _rows(_iota(dims, _ints(perm)), size), ()
+    if m := _LISTS.search(line):
+      groups = tuple(tuple(_ints(g)) for g in re.findall(r"\{([\d,]*)\}", m.group(1)))
+      return groups or (tuple(range(num_devices)),), ()
+    if m := _PAIRS.search(line):
+      pairs = tuple((int(s), int(t)) for s, t in re.findall(r"\{(\d+),(\d+)\}", m.group(1)))
+      return _components(list(pairs)), pairs
+    problem = "no replica_groups or source_target_pairs in a form this reader knows"
+  except ValueError as e:  # a malformed mesh, axis or reshape
+    problem = f"malformed replica groups ({e})"
+  raise ValueError(f"loco_jax.comm: {problem}: {line.strip()[:400]}")
 
 
 def collectives(hlo_text: str, num_devices: int) -> list[Collective]:
-  """Every collective in HLO text (`jax.jit(f).lower(...).as_text(dialect="hlo")`)."""
+  """Every collective in HLO text (`jax.jit(f).lower(...).as_text(dialect="hlo")`), with its
+  device groups (`replica_groups`: a ValueError for a line whose groups it cannot read)."""
   lines = hlo_text.splitlines()
   branches = set()
   for line in lines:
@@ -79,10 +197,11 @@ def collectives(hlo_text: str, num_devices: int) -> list[Collective]:
     if m.group("start") and result.startswith("("):
       result = result[1:].split("]")[0] + "]"  # async start: (operand, result, ...); same size
     dtype, nbytes = _shape_bytes(result)
-    n = _group_size(m.group("attrs"), num_devices)
+    groups, pairs = replica_groups(line, num_devices)
+    n = max(len(g) for g in groups)
     # The full buffer: what a gather returns, what a scatter takes (n times what it returns).
     found.append(Collective(op, dtype, nbytes * n if op == "reduce-scatter" else nbytes, n,
-                            computation in branches))
+                            computation in branches, groups, pairs))
   return found
 
 

@@ -10,10 +10,15 @@ VANISHING = float(np.finfo(np.float32).tiny) * 256.0
 
 PACK_UNIT = 8  # values per packing unit: 8 p-bit values fill exactly p bytes, for every p.
 
-# Scales never go below the smallest normal float32: XLA:CPU divides by a subnormal as by 0
-# (1 / 3e-39 gave inf) and GPUs flush them. Only bits <= 3 on blocks above qmax / TINY (8.5e37
-# at qmax = 1) reach it; their codes then saturate, and error feedback carries the rest.
+# The smallest normal float32, 2**-126. A block scale qmax / max|x| falls below it on blocks
+# above qmax * 2**126 (8.5e37 at 1 and 2 bits, 2.6e38 at 3; never at 4 bits and more) and is
+# then kept as the subnormal float32 it is (21 bits or more: s >= 1 / float32 max > 2**-128),
+# never as an operand: XLA:CPU reads subnormal operands as 0 (1 / 3e-39 gave inf, 3e-39 > 0
+# False) and GPUs may flush them. `scale_of`, `positive_scale`, `scale_split` and `reciprocal`
+# work from its bits instead.
 TINY = float(np.finfo(np.float32).tiny)
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+_SUBNORMAL_BITS = 1 << 23  # bit patterns below it (and above 0) are the positive subnormals
 
 
 def check_bits(bits: int, name: str = "bits") -> None:
@@ -94,27 +99,90 @@ def compress(x: jax.Array, scale: jax.Array | float, bits: int) -> jax.Array:
     [1, -4]
   """
   qmin, qmax = int_range(bits)
-  return jnp.clip(jnp.round(scale * x), qmin, qmax).astype(jnp.int8)
+  return jnp.clip(jnp.round(times_scale(x, scale, bits)), qmin, qmax).astype(jnp.int8)
+
+
+def times_scale(x: jax.Array, scale, bits: int) -> jax.Array:
+  """scale * x for a `bits`-bit block scale: as (x * f) * n (`scale_split`) at the widths whose
+  scales can be subnormal (`subnormal_scales`), else directly."""
+  if subnormal_scales(bits):
+    f, n = scale_split(scale)
+    return (x * f) * n
+  return scale * x
 
 
 def decompress(q: jax.Array, scale: jax.Array | float) -> jax.Array:
   """q / scale in float32, saturated (never inf: a block of absmax near the float32 maximum can
-  give q / s just above it); a zero scale (an all-zero or vanishing block) gives exactly 0."""
-  scale = jnp.asarray(scale, jnp.float32)
-  safe = jnp.where(scale > 0, scale, 1.0)
-  return jnp.where(scale > 0, saturate(q.astype(jnp.float32) / safe), 0.0)
+  give q / s just above it); a scale that is not positive and finite (0: an all-zero or
+  vanishing block; or a peer's garbage) gives exactly 0. Subnormal scales are read exactly."""
+  f, n = scale_split(scale)
+  positive = positive_scale(scale)
+  values = (q.astype(jnp.float32) / jnp.where(positive, n, 1.0)) * (1.0 / f)
+  return jnp.where(positive, saturate(values), 0.0)
+
+
+def subnormal_scales(bits: int) -> bool:
+  """Whether `bits`-bit block scales can be subnormal: qmax * 2**126 below float32's maximum."""
+  return max(int_range(bits)[1], 1) * 2.0 ** 126 < FLOAT32_MAX
+
+
+def scale_of(qmax: int, top: jax.Array) -> jax.Array:
+  """qmax / top in float32 for top in (0, float32 max]; below `TINY` (top > qmax * 2**126) the
+  subnormal float32 within a unit of it, built from its bits."""
+  quotient = np.float32(qmax) / top
+  if qmax * 2.0 ** 126 >= FLOAT32_MAX:
+    return quotient
+  # s * 2**149 (in units of the smallest subnormal) as a product of normal factors, < 2**23.
+  units = jnp.round(np.float32(qmax) / (top * np.float32(2.0 ** -64)) * np.float32(2.0 ** 85))
+  subnormal = jax.lax.bitcast_convert_type(units.astype(jnp.int32), jnp.float32)
+  return jnp.where(top > np.float32(qmax * 2.0 ** 126), subnormal, quotient)
+
+
+def _scale_bits(scale) -> jax.Array:
+  return jax.lax.bitcast_convert_type(jnp.asarray(scale, jnp.float32), jnp.int32)
+
+
+def positive_scale(scale) -> jax.Array:
+  """scale > 0 and finite, subnormal scales included (read from the bits: XLA:CPU compares a
+  subnormal as 0)."""
+  bits = _scale_bits(scale)
+  return (bits > 0) & (bits < 0x7F800000)
+
+
+def scale_split(scale) -> tuple[jax.Array, jax.Array]:
+  """(f, n), normal float32 factors with scale * x = (x * f) * n in one rounding: (1, scale),
+  or (2**-100, scale * 2**100) for a subnormal scale.
+
+  Example:
+    >>> f, n = scale_split(jnp.float32(3e-39))
+    >>> float(f) == 2.0 ** -100, round(float(n) * 2.0 ** -100 / 3e-39, 6)
+    (True, 1.0)
+  """
+  bits = _scale_bits(scale)
+  subnormal = (bits > 0) & (bits < _SUBNORMAL_BITS)
+  n = jnp.where(subnormal, bits.astype(jnp.float32) * np.float32(2.0 ** -49), scale)
+  return jnp.where(subnormal, np.float32(2.0 ** -100), np.float32(1.0)), n
+
+
+def reciprocal(scale: jax.Array) -> jax.Array:
+  """1 / scale for a positive finite scale, subnormal ones included (saturated: 1 / s may be
+  just above the float32 maximum), else 1: q / s is computed as q * (1 / s), one division a
+  block."""
+  f, n = scale_split(scale)
+  positive = positive_scale(scale)
+  return jnp.where(positive, saturate((1.0 / jnp.where(positive, n, 1.0)) * (1.0 / f)), 1.0)
 
 
 def absmax_scale(x_blocks: jax.Array, bits: int) -> jax.Array:
-  """Per-block scale qmax / max|x| over the last axis, at least `TINY`; 0 for zero, vanishing or
-  non-finite blocks.
+  """Per-block scale qmax / max|x| over the last axis (`scale_of`: subnormal on blocks above
+  qmax * 2**126); 0 for zero, vanishing or non-finite blocks.
 
   For bits=1 the grid is {-1, 0} and qmax is 0; the scale then uses 1 so that it stays finite.
   """
   qmax = max(int_range(bits)[1], 1)
   absmax = jnp.max(jnp.abs(x_blocks), axis=-1)
   usable = (absmax > VANISHING) & jnp.isfinite(absmax)
-  scale = jnp.maximum(qmax / jnp.where(usable, absmax, 1.0), TINY)
+  scale = scale_of(qmax, jnp.where(usable, absmax, 1.0))
   return jnp.where(usable, scale, 0.0).astype(jnp.float32)
 
 
@@ -156,7 +224,7 @@ def clip_range(absmax: jax.Array, mean_square: jax.Array, clip_rms: float) -> ja
 def rms_scale(x_blocks: jax.Array, bits: int, clip_rms: float) -> jax.Array:
   """Per-block scale qmax / min(clip_rms x rms, max|x|) over the last axis: the top code at
   clip_rms times the block's rms, values beyond it clipped (error feedback carries them);
-  at least `TINY`, 0 for zero, vanishing or non-finite blocks (as `absmax_scale`).
+  subnormal or 0 as `absmax_scale`'s.
 
   Example:
     >>> x = jnp.array([[1.0, -1.0, 1.0, -8.0]])   # rms 4.09: the top code (1) at 6.14
@@ -169,7 +237,7 @@ def rms_scale(x_blocks: jax.Array, bits: int, clip_rms: float) -> jax.Array:
   f, r = unit_factors(safe[..., None])
   mean_square = jnp.mean(jnp.square((x_blocks * f) * r), axis=-1)
   qmax = max(int_range(bits)[1], 1)
-  scale = jnp.maximum(qmax / clip_range(safe, mean_square, clip_rms), TINY)
+  scale = scale_of(qmax, clip_range(safe, mean_square, clip_rms))
   return jnp.where(usable, scale, 0.0).astype(jnp.float32)
 
 

@@ -44,21 +44,17 @@ class Compressed(NamedTuple):
 
 
 def _absmax_scale(absmax: jax.Array, bits: int) -> jax.Array:
-  """quant.absmax_scale from a precomputed max|x|: qmax / absmax, 0 if vanishing or not finite."""
+  """quant.absmax_scale from a precomputed max|x|: qmax / absmax (subnormal above qmax *
+  2**126), 0 if vanishing or not finite."""
   usable = (absmax > quant.VANISHING) & jnp.isfinite(absmax)
-  scale = np.float32(max(quant.int_range(bits)[1], 1)) / jnp.where(usable, absmax, 1.0)
-  return jnp.where(usable, jnp.maximum(scale, quant.TINY), 0.0)
-
-
-def _reciprocal(scale: jax.Array) -> jax.Array:
-  """1 / scale where scale > 0 (else 1): q / s is computed as q * (1 / s), one division a block."""
-  return 1.0 / jnp.where(scale > 0, scale, 1.0)
+  scale = quant.scale_of(max(quant.int_range(bits)[1], 1), jnp.where(usable, absmax, 1.0))
+  return jnp.where(usable, scale, 0.0)
 
 
 def _quantize(x: jax.Array, scale: jax.Array, bits: int) -> jax.Array:
   """Eq. (1), integer-valued float32: clip(round_half_even(scale * x), qmin, qmax)."""
   qmin, qmax = quant.int_range(bits)
-  return jnp.clip(jnp.round(scale * x), qmin, qmax)
+  return jnp.clip(jnp.round(quant.times_scale(x, scale, bits)), qmin, qmax)
 
 
 def _max_abs(planes: list[jax.Array]) -> jax.Array:
@@ -85,9 +81,9 @@ def _payload_scale(fixed, planes: list[jax.Array], absmax: jax.Array, bits: int,
   total = functools.reduce(jnp.add, [jnp.sum(jnp.square((x * f) * r), axis=-1, keepdims=True)
                                      for x in planes])
   length = sum(x.shape[-1] for x in planes)
-  scale = np.float32(max(quant.int_range(bits)[1], 1)) / quant.clip_range(
-      safe, total * np.float32(1.0 / length), clip_rms)
-  return jnp.where(usable, jnp.maximum(scale, quant.TINY), 0.0)
+  scale = quant.scale_of(max(quant.int_range(bits)[1], 1), quant.clip_range(
+      safe, total * np.float32(1.0 / length), clip_rms))
+  return jnp.where(usable, scale, 0.0)
 
 
 def step_planes(g: list[jax.Array], error: list[jax.Array], error_scale: jax.Array, bits: int,
@@ -101,13 +97,13 @@ def step_planes(g: list[jax.Array], error: list[jax.Array], error_scale: jax.Arr
   h = g + e, q / s and the residual stay finite for finite g near the float32 maximum.
   """
   sat = quant.saturate
-  has_error, error_step = error_scale > 0, _reciprocal(error_scale)
+  has_error, error_step = quant.positive_scale(error_scale), quant.reciprocal(error_scale)
   e = [jnp.where(has_error, sat(c.astype(jnp.float32) * error_step), 0.0) for c in error]
   # A non-finite g marks its block with inf: the block's max keeps it (XLA:CPU's max drops NaN).
   h = [jnp.where(jnp.isfinite(gi), sat(gi + ei), jnp.inf) for gi, ei in zip(g, e)]
   absmax = _max_abs(h)
   scale = _payload_scale(fixed_scale, h, absmax, bits, scale_method, clip_rms)
-  sent, step = scale > 0, _reciprocal(scale)
+  sent, step = quant.positive_scale(scale), quant.reciprocal(scale)
   q = [_quantize(x, scale, bits) for x in h]
   d = [jnp.where(sent, sat(qi * step), 0.0) for qi in q]
   keep, mix = (np.float32(beta), np.float32(1.0 - beta)) if is_constant(beta) else (
@@ -200,7 +196,7 @@ def dequantize_planes(word: jax.Array, scale: jax.Array, bits: int,
   """uint8 words (as int32) [rows, width] -> the `8 // bits` decompressed planes (q / s
   saturated as quant.decompress does), each times `down` (a power of two: exact)."""
   qmin, mask = quant.int_range(bits)[0], (1 << bits) - 1
-  step, sent = _reciprocal(scale), scale > 0
+  step, sent = quant.reciprocal(scale), quant.positive_scale(scale)
   return [jnp.where(sent, quant.saturate(
       (((word >> (t * bits)) & mask) + qmin).astype(jnp.float32) * step) * np.float32(down), 0.0)
           for t in range(8 // bits)]
@@ -222,8 +218,8 @@ def mean_jnp(packed_NxBxP, scales_NxB, bits, unroll: bool):
   down, up = quant.mean_factors(shards)
   if 8 % bits:
     codes = quant.unpack(packed_NxBxP, bits).astype(jnp.float32)
-    step = _reciprocal(scales_NxB[..., None])
-    peer = lambda j: jnp.where(scales_NxB[j][..., None] > 0,
+    step, sent = quant.reciprocal(scales_NxB[..., None]), quant.positive_scale(scales_NxB)
+    peer = lambda j: jnp.where(sent[j][..., None],
                                quant.saturate(codes[j] * step[j]) * np.float32(down), 0.0)
   else:
     peer = lambda j: jnp.concatenate(dequantize_planes(

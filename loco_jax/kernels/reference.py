@@ -27,11 +27,12 @@ class StepCheck(NamedTuple):
 
 
 def absmax_scale(x_BxL: np.ndarray, bits: int) -> np.ndarray:
-  """[blocks, 1] float64 qmax / max|x| (0 for zero or vanishing blocks), as quant.absmax_scale."""
+  """[blocks, 1] float64 qmax / max|x| (0 for zero or vanishing blocks), as quant.absmax_scale
+  (whose float32 scale may be subnormal: below 2**-126 it keeps 21 bits or more)."""
   absmax = np.abs(x_BxL).max(axis=1, keepdims=True)
   usable = absmax > quant.VANISHING
   qmax = max(2 ** (bits - 1) - 1, 1)
-  return np.where(usable, np.maximum(qmax / np.where(usable, absmax, 1.0), quant.TINY), 0.0)
+  return np.where(usable, qmax / np.where(usable, absmax, 1.0), 0.0)
 
 
 def rms_scale(x_BxL: np.ndarray, bits: int, clip_rms: float) -> np.ndarray:
@@ -42,11 +43,17 @@ def rms_scale(x_BxL: np.ndarray, bits: int, clip_rms: float) -> np.ndarray:
   rms = np.sqrt(np.mean(np.square(x_BxL), axis=1, keepdims=True))
   clip = np.minimum(clip_rms * rms, absmax)
   qmax = max(2 ** (bits - 1) - 1, 1)
-  return np.where(usable, np.maximum(qmax / np.where(usable, clip, 1.0), quant.TINY), 0.0)
+  return np.where(usable, qmax / np.where(usable, clip, 1.0), 0.0)
+
+
+def saturate(x: np.ndarray) -> np.ndarray:
+  """x clipped to float32's finite range, where every implementation saturates."""
+  return np.clip(x, -quant.FLOAT32_MAX, quant.FLOAT32_MAX)
 
 
 def decompress(q: np.ndarray, s: np.ndarray) -> np.ndarray:
-  return np.where(s > 0, q / np.where(s > 0, s, 1.0), 0.0)
+  """q / s, saturated; 0 where s is 0."""
+  return np.where(s > 0, saturate(q / np.where(s > 0, s, 1.0)), 0.0)
 
 
 def _codes_off(got: np.ndarray, x: np.ndarray, bits: int, tol: np.ndarray) -> int:
@@ -65,7 +72,8 @@ def check_step(g, error, error_scale, out_codes, out_scales, out_error, out_erro
                reset: bool = False, fixed_scale: float | None = None,
                fixed_error_scale: float | None = None, scale_method: str = "absmax",
                clip_rms: float | None = None) -> StepCheck:
-  """Checks one LoCo step of an implementation against DESIGN.md's step in float64.
+  """Checks one LoCo step of an implementation against DESIGN.md's step in float64 (h, d and
+  the residual saturated at the float32 maximum, as every implementation's are).
 
   Inputs are per block ([blocks, block_len]; scales [blocks]): the gradient, the stored error
   codes and scales the implementation started from, and what it produced (payload codes as
@@ -89,7 +97,7 @@ def check_step(g, error, error_scale, out_codes, out_scales, out_error, out_erro
                                   else f64(x).reshape(blocks, 1))
   se = column(error_scale, fixed_error_scale) * (0.0 if reset else 1.0)
   e = decompress(codes, se)
-  h = g + e
+  h = saturate(g + e)
   s_got = column(out_scales, fixed_scale)
   if fixed_scale is not None:
     s = column(None, fixed_scale)
@@ -108,7 +116,7 @@ def check_step(g, error, error_scale, out_codes, out_scales, out_error, out_erro
   d = decompress(q, s_got)
   if out_decompressed is not None:
     values_off = int(np.sum(np.abs(f64(out_decompressed) - d) > ULP * np.abs(d)))
-  residual = beta * e + (1 - beta) * (h - d)
+  residual = saturate(beta * e + (1 - beta) * (h - d))
   if fixed_error_scale is None:
     s_e = absmax_scale(residual, error_bits)
     s_e_got = column(out_error_scale)

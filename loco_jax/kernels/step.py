@@ -196,7 +196,8 @@ def compress_step(g: jax.Array, error: jax.Array, error_scale: jax.Array | None,
   Every implementation agrees with `reference.check_step` within float32 rounding and is
   deterministic run to run. A non-finite g gives finite=False and unspecified other outputs
   (loco then keeps its previous state); a finite g gives finite outputs: e, g + e, q / s and
-  the residual saturate at the float32 maximum, and scales stay at least `quant.TINY`.
+  the residual saturate at the float32 maximum (scales of blocks above qmax * 2**126 are
+  subnormal: `quant.scale_of`).
   With a fixed scale, `scales` (or `error_scale`) holds that value for every block.
   `skip` (bool []): a step known beforehand to be skipped, as loco's local mode on CPU checks
   the gradients first: where true, `error` and `error_scale` come back as given (no reset) and
