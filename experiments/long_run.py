@@ -30,7 +30,6 @@ import contextlib
 import dataclasses
 import fcntl
 import json
-import math
 import os
 import re
 import signal
@@ -61,13 +60,13 @@ class LongRunConfig:
   seed: int = 0
   steps: int = 10_000
   devices: int = 8
-  batch_per_device: int = 2
+  batch_per_device: int = 1
   seq_len: int = 64
   d_model: int = 128
   n_layers: int = 5
   n_heads: int = 4
   d_ff: int = 512
-  peak_lr: float = 2e-3
+  peak_lr: float = 1e-3
   warmup: int = 200
   final_lr_fraction: float = 0.1
   weight_decay: float = 0.01
@@ -198,24 +197,21 @@ def error_stats(compressor_state: Any, devices: int) -> dict | None:
   if error is None:
     return None
   rows = lambda x: np.asarray(jax.device_get(x)).reshape(devices, -1)
-  codes = [rows(x) for x in jax.tree.leaves(error)]
+  errors = [rows(x) for x in jax.tree.leaves(error)]  # float32 (EF, CO3) or int8 codes (LoCo)
   stats: dict[str, Any] = {}
   if hasattr(compressor_state, "error_scale"):  # LoCo
     if compressor_state.error_scale is None:
       raise ValueError("error_stats: a LoCo state with a fixed error_scale is not supported")
     scales = [rows(s) for s in jax.tree.leaves(compressor_state.error_scale)]
-    values = []
-    for q, s in zip(codes, scales):
-      safe = np.where(s > 0, s, 1.0)[..., None]
-      values.append(np.where(s[..., None] > 0, q.reshape(*s.shape, -1) / safe, 0.0))
-    codes = [v.reshape(devices, -1) for v in values]
+    errors = [np.where(s[..., None] > 0, q.reshape(*s.shape, -1) / np.where(s > 0, s, 1.0)[
+        ..., None], 0.0).reshape(devices, -1) for q, s in zip(errors, scales)]
     every = np.concatenate([s.reshape(-1) for s in scales])
     used = every[every > 0]
     stats.update(scale_min=float(used.min()) if used.size else 0.0,
                  scale_median=float(np.median(used)) if used.size else 0.0,
                  scale_max=float(used.max()) if used.size else 0.0,
                  zero_scale_fraction=float(np.mean(every == 0)))
-  norms = np.sqrt(sum(np.sum(np.square(c.astype(np.float64)), axis=1) for c in codes))
+  norms = np.sqrt(sum(np.sum(np.square(e.astype(np.float64)), axis=1) for e in errors))
   stats.update(norm_mean=float(norms.mean()), norm_max=float(norms.max()))
   if hasattr(compressor_state, "count"):
     stats["count"] = int(compressor_state.count)
@@ -265,7 +261,6 @@ def exclusive(folder: Path) -> Iterator[None]:
 
 class Built(NamedTuple):
   """What a run trains with: a fresh state, its compiled step and the held-out evaluation."""
-  params: Any                         # the initial params (the checkpoint's tree needs them)
   state: Any                          # parallel.TrainState
   step: Callable                      # (state, batch) -> (state, mean train loss), compiled
   schedule: Callable[[int], Any]      # step count -> learning rate
@@ -290,7 +285,7 @@ def build(config: LongRunConfig, text: Text) -> Built:
   step = parallel.make_train_step(loss_fn, optimizer, mesh, specs, params, compressor=compressor)
   start = time.perf_counter()
   compiled = step.jitted.lower(state, jnp.asarray(text.batch(0))).compile()
-  return Built(params, state, compiled, schedule, make_eval(loss_fn, mesh, text.eval_KxBxL),
+  return Built(state, compiled, schedule, make_eval(loss_fn, mesh, text.eval_KxBxL),
                time.perf_counter() - start)
 
 

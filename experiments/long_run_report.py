@@ -95,11 +95,13 @@ class ResetEffect(NamedTuple):
   eval_effect: float    # % : eval after over eval before, relative to fp32's same ratio
 
 
-def reset_effects(run: Run, ref: Run, window: int) -> list[ResetEffect]:
+def reset_effects(run: Run, ref: Run, window: int, shift: int = 0) -> list[ResetEffect]:
+  """Each reset's effect; with `shift`, the same measure that many steps after each reset
+  (halfway between two: what the measure gives where nothing happens, its noise)."""
   interval, losses, base = reset_interval(run), run.step_losses(), ref.step_losses()
   mine, theirs = run.eval_at(), ref.eval_at()
   out = []
-  for k in range(interval, len(losses), interval) if interval else ():
+  for k in range(interval + shift, len(losses), interval) if interval else ():
     if k - window < 0 or k + window > min(len(losses), len(base)):
       continue
     before, after = slice(k - window, k), slice(k, k + window)
@@ -164,6 +166,11 @@ def resets_table(runs: list[Run], window: int) -> str:
     for effect in reset_effects(run, ref, window) if ref else ():
       lines.append(f"| {run.name} | {effect.count} | {effect.train_effect:+.2f} | "
                    f"{effect.eval_effect:+.2f} |")
+    halfway = reset_effects(run, ref, window, reset_interval(run) // 2) if ref else []
+    if halfway:
+      lines.append(f"| {run.name} | halfway between resets (none there), {len(halfway)} "
+                   f"places | {common.mean_std([e.train_effect for e in halfway])} | "
+                   f"{common.mean_std([e.eval_effect for e in halfway])} |")
   return "\n".join(lines)
 
 

@@ -187,8 +187,9 @@ def test_report_on_the_short_form(short_runs, tmp_path, capsys):
   gap = 100 * (loco[-1]["eval_loss"] / none[-1]["eval_loss"] - 1)
   assert f"| {LOCO}-s0 | {STEPS}/{STEPS} | {loco[-1]['eval_loss']:.4f} | " \
          f"{none[-1]['eval_loss']:.4f} | {gap:+.2f} |" in text
-  assert [int(row.split("|")[2]) for row in text.splitlines()
-          if row.startswith(f"| {LOCO}-s0 |") and row.count("|") == 5] == [8, 16, 24]
+  rows = [row.split("|")[2].strip() for row in text.splitlines()
+          if row.startswith(f"| {LOCO}-s0 |") and row.count("|") == 5]
+  assert rows == ["8", "16", "24", "halfway between resets (none there), 3 places"]
   # The first reset's train effect, from the records: the mean loss of the 4 steps from it
   # against the 4 before, less none's, in % of the loss before.
   steps = lambda records: np.concatenate([r["train_losses"] for r in records])
@@ -201,3 +202,13 @@ def test_report_on_the_short_form(short_runs, tmp_path, capsys):
     assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
   assert long_run_report.main([str(tmp_path / "nothing")]) == 2
   assert "no runs under" in capsys.readouterr().err
+
+
+def test_timing_table_projects_a_whole_run():
+  config = long_run.LongRunConfig(steps=10_000, eval_every=250)
+  row = long_run.Timing("loco4", compile_s=20.0, step_s=0.3, step_cpu_s=0.2, eval_s=2.0,
+                        eval_cpu_s=1.5)
+  table = long_run.timing_table(config, [row])
+  wall = (20 + 10_000 * 0.3 + 41 * 2.0) / 3600
+  cpu = (10_000 * 0.2 + 41 * 1.5) / 3600
+  assert f"| loco4 | 20.0 | 300 | 200 | 2.00 | {wall:.2f} | {cpu:.2f} |" in table
