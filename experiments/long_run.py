@@ -3,7 +3,7 @@ evaluated every 250 steps, resumable after any kill.
 
   python experiments/long_run.py run --method loco4 --seed 0 --out runs/long
   python experiments/long_run.py campaign --out runs/long   # CAMPAIGN; start it once per worker
-  python experiments/long_run.py time --methods none,loco4 --steps 30   # step time per method
+  python experiments/long_run.py time --methods none,loco4 --timing-steps 30  # step times
   python experiments/long_run_report.py runs/long                       # tables and plots
 
 A run is a byte-level GPT (the demo's model) trained data-parallel on 8 simulated CPU devices
