@@ -13,6 +13,7 @@ import signal
 import subprocess
 import time
 
+import jax
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -286,3 +287,61 @@ def test_interrupted_write_keeps_the_previous_outputs(tmp_path, monkeypatch, cap
   assert all(now[name] != previous[name] for name in now)  # a whole new set
   assert json.loads(now["results.json"])[0]["final_loss"] == 3.0
   assert [p.name for p in out.parent.iterdir()] == ["out"]
+
+
+# --- --reset-interval: LoCo's error reset, visible in a short run -------------------------------
+
+def test_reset_interval_in_help(capsys):
+  assert cli.main(["demo", "--help"]) == 0
+  text = " ".join(capsys.readouterr().out.split())  # argparse wraps the help
+  assert "--reset-interval N" in text and "0: never" in text and "default 1024" in text
+
+
+def test_reset_interval_flag_checked_before_jax_starts(monkeypatch, capsys):
+  _no_device_setup(monkeypatch)
+  _cli_fails(capsys, ["--reset-interval", "-1"], "--reset-interval", "an integer >= 0", "-1")
+  _cli_fails(capsys, ["--reset-interval", "ten"], "--reset-interval", "'ten'")
+  _cli_fails(capsys, ["--reset-interval", "8", "--methods", "none,ef4"], "--reset-interval",
+             "applies to the LoCo methods", "none, ef4")
+
+
+def test_reset_interval_reaches_the_runs(tmp_path, monkeypatch, capsys):
+  seen = []
+
+  def run(name, compressor, config, corpus, progress=None, **kwargs):
+    seen.append((name, config.reset_interval))
+    return _fake_run(2.0)(name, compressor, config, corpus, progress)
+  monkeypatch.setattr(demo, "run_method", run)
+  text = tmp_path / "corpus.txt"
+  text.write_bytes(TEXT)
+  argv = [*TINY, "--methods", "none,loco4", "--data", str(text), "--out", str(tmp_path / "out")]
+  assert demo.main([*argv, "--reset-interval", "2"]) == 0
+  assert seen == [("none", 2), ("loco4", 2)]
+  assert "LoCo's error reset every 2 steps" in capsys.readouterr().err
+  assert demo.main([*argv, "--reset-interval", "0"]) == 0
+  assert "LoCo's error never reset" in capsys.readouterr().err
+  assert demo.main(argv) == 0
+  assert seen[-1] == ("loco4", 1024)
+
+
+@pytest.mark.parametrize("method", demo.LOCO_METHODS)
+def test_reset_interval_resets_each_loco_method(method):
+  """With reset_interval 3 the fourth step (k = 3) starts from a zero error: its output is a
+  fresh state's first output for the same gradient; with the default it is not."""
+  rng = np.random.default_rng(1)
+  # 2e-5: gradients on the scale of loco4-fixed's s = 2**17 (the others' scales follow them).
+  grads = [{"w": 2e-5 * rng.standard_normal((8, 256)).astype(np.float32)} for _ in range(4)]
+
+  def outputs(reset_interval):
+    """The fourth step's output, and the output of a fresh state's first step on its gradient."""
+    opt = demo.make_compressor(method, demo.DemoConfig(reset_interval=reset_interval), None)
+    update = jax.jit(opt.update)
+    state = opt.init(grads[0])
+    for g in grads:
+      out, state = update(g, state)
+    return np.asarray(out["w"]), np.asarray(update(grads[3], opt.init(grads[3]))[0]["w"])
+
+  reset, fresh = outputs(3)
+  np.testing.assert_allclose(reset, fresh, rtol=1e-6, atol=1e-7)
+  kept, fresh = outputs(1024)
+  assert np.abs(kept - fresh).max() > 1e-3 * np.abs(fresh).max()

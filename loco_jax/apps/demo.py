@@ -25,6 +25,7 @@ CO3_METHODS = {"co3-fp4": ("fp4", "bf16"), "co3-fp8": ("fp8", "bf16"),
                "co3-fp4-coded": ("fp4", "coded")}  # method -> (fmt, gather)
 # Without --methods the demo runs these (the 2- and 3-bit methods are asked for by name).
 DEFAULT_METHODS = METHODS[:7]
+LOCO_METHODS = ("loco4", "loco4-fixed", "loco2", "loco3")  # the ones --reset-interval applies to
 DESCRIPTIONS = {
     "none": "float32 all-reduce (uncompressed)",
     "bf16": "bfloat16 all-reduce",
@@ -69,6 +70,7 @@ class DemoConfig:
   fixed_scale: float = 2.0 ** 17
   eval_batches: int = 16
   corpus_bytes: int = 4_000_000
+  reset_interval: int = 1024  # LoCo methods: loco(reset_interval=...), 0 never resets
 
   @property
   def global_batch(self) -> int:
@@ -134,7 +136,7 @@ def make_compressor(method: str, config: DemoConfig = DemoConfig(),
   """
   from loco_jax import loco
   from loco_jax.transforms import baselines
-  b = config.block_size
+  b, reset = config.block_size, config.reset_interval
   if method == "none":
     return baselines.uncompressed(axis_name)
   if method == "bf16":
@@ -144,18 +146,19 @@ def make_compressor(method: str, config: DemoConfig = DemoConfig(),
   if method in ("ef2", "ef3", "ef4"):
     return baselines.error_feedback(int(method[2]), b, axis_name)
   if method in ("loco2", "loco3"):  # the width's own defaults (block size included)
-    return loco(bits=int(method[4]), axis_name=axis_name)
+    return loco(bits=int(method[4]), reset_interval=reset, axis_name=axis_name)
   if method == "loco4":
-    return loco(bits=4, block_size=b, axis_name=axis_name)
+    return loco(bits=4, block_size=b, reset_interval=reset, axis_name=axis_name)
   if method == "loco4-fixed":
     s = config.fixed_scale
-    return loco(bits=4, scale=s, error_scale=4 * s, block_size=b, axis_name=axis_name)
+    return loco(bits=4, scale=s, error_scale=4 * s, block_size=b, reset_interval=reset,
+                axis_name=axis_name)
   if method in CO3_METHODS:
     why = co3_status()
     if why:
       raise DemoError(f"method {method} is unavailable: {why}")
     fmt, gather = CO3_METHODS[method]
-    return importlib.import_module("loco_jax.co3").co3(
+    return importlib.import_module("loco_jax.transforms.co3").co3(
         fmt=fmt, gamma=0.7, axis_name=axis_name,
         **({"gather": gather} if axis_name is not None else {}))
   raise DemoError(f"unknown method {method!r}; accepted: {', '.join(METHODS)}")
@@ -441,6 +444,10 @@ def parser() -> argparse.ArgumentParser:
                  default=d.seed, help="model init and data order (0..2**63-1)")
   p.add_argument("--fixed-scale", type=_positive_float, default=d.fixed_scale,
                  help="loco4-fixed's global scale s (the paper: 2**17 pre-training)")
+  p.add_argument("--reset-interval", type=_bounded_int(0), default=None, metavar="N",
+                 help=f"LoCo methods ({', '.join(LOCO_METHODS)}): zero the error before every "
+                      f"step k > 0 that is a multiple of N (0: never; default "
+                      f"{d.reset_interval}); e.g. 100 shows resets in a 300-step run")
   p.add_argument("--eval-batches", type=_positive_int, default=d.eval_batches,
                  help="held-out batches for the eval loss")
   p.add_argument("--data", default=None,
@@ -455,7 +462,9 @@ def config_from_args(args: argparse.Namespace) -> DemoConfig:
   return DemoConfig(steps=args.steps, devices=args.devices, batch_per_device=args.batch,
                     seq_len=args.seq_len, d_model=args.d_model, n_layers=args.layers,
                     n_heads=args.heads, d_ff=args.d_ff or 4 * args.d_model, lr=args.lr,
-                    seed=args.seed, fixed_scale=args.fixed_scale, eval_batches=args.eval_batches)
+                    seed=args.seed, fixed_scale=args.fixed_scale, eval_batches=args.eval_batches,
+                    reset_interval=DemoConfig.reset_interval if args.reset_interval is None
+                    else args.reset_interval)
 
 
 def _choose_methods(text: str | None) -> tuple[list[str], dict[str, str]]:
@@ -558,6 +567,9 @@ def main(argv: Sequence[str] | None = None) -> int:
       config = config_from_args(args)
       _check_config(config)
       methods, unavailable = _choose_methods(args.methods)
+      if args.reset_interval is not None and not set(methods) & set(LOCO_METHODS):
+        raise DemoError(f"--reset-interval applies to the LoCo methods ({', '.join(LOCO_METHODS)})"
+                        f"; none of them is among the methods run ({', '.join(methods)})")
       if args.data is not None and not Path(args.data).exists():
         raise DemoError(f"--data {args.data}: no such file or folder; expected a text file or "
                         f"a folder of .txt/.md/.py/.rst files")
@@ -578,11 +590,15 @@ def _train_and_write(config: DemoConfig, methods: list[str], unavailable: dict[s
   _, params, _ = make_model(config)
   from loco_jax.apps.models import num_params
   progress = demo_output.Progress(methods, config.steps)
+  reset = ""
+  if set(methods) & set(LOCO_METHODS):
+    reset = (f"; LoCo's error reset every {config.reset_interval} steps" if config.reset_interval
+             else "; LoCo's error never reset")
   progress.note(
       f"loco-jax demo: {num_params(params):,}-parameter byte-level GPT on {corpus.source}, "
       f"{config.devices} devices x {config.batch_per_device} sequences x {config.seq_len} "
       f"tokens, {config.steps} steps per method, adamw lr {config.lr:g}, seed {config.seed}; "
-      f"methods: {', '.join(methods)}" +
+      f"methods: {', '.join(methods)}{reset}" +
       "".join(f"\n  {m} unavailable: {why}" for m, why in unavailable.items()))
   results = []
   start = time.perf_counter()
