@@ -5,6 +5,7 @@ import re
 from typing import NamedTuple, Sequence
 
 import jax
+import numpy as np
 
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
                 "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "s4": 0.5, "u4": 0.5}
@@ -19,13 +20,15 @@ class Collective(NamedTuple):
   """One collective of a lowered step: `nbytes` is the full buffer (gathered or pre-scatter).
 
   `conditional` marks one inside a branch of a conditional (a rare path such as CO3's
-  overflow), which a step does not always run.
+  overflow), which a step does not always run. `groups`: its replica groups, each the devices'
+  ids (positions in the mesh's flattened device order) in rank order; () for all the devices.
   """
   op: str
   dtype: str
   nbytes: float
   group_size: int
   conditional: bool = False
+  groups: tuple[tuple[int, ...], ...] = ()
 
   @property
   def sent_bytes(self) -> float:
@@ -49,14 +52,19 @@ def _shape_bytes(text: str) -> tuple[str, float]:
   return ",".join(sorted(set(dtypes))), total
 
 
-def _group_size(attrs: str, default: int) -> int:
-  groups = re.search(r"replica_groups=\{\{([\d,]*)\}", attrs)
-  if groups:
-    return len(groups.group(1).split(","))
-  iota = re.search(r"replica_groups=\[(\d+),(\d+)\]", attrs)
-  if iota:
-    return int(iota.group(2))
-  return default
+def _replica_groups(attrs: str) -> tuple[tuple[int, ...], ...]:
+  """`replica_groups={{0,1},{2,3}}` or its iota form `[2,2]<=[4]`, `[2,2]<=[2,2]T(1,0)`."""
+  listed = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", attrs)
+  if listed:
+    return tuple(tuple(int(d) for d in g.split(",") if d)
+                 for g in re.findall(r"\{([\d,]*)\}", listed.group(1)) if g)
+  iota = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", attrs)
+  if not iota:
+    return ()
+  dims = [int(d) for d in iota.group(3).split(",")]
+  perm = [int(d) for d in iota.group(4).split(",")] if iota.group(4) else range(len(dims))
+  ids = np.arange(math.prod(dims)).reshape(dims).transpose(list(perm))
+  return tuple(map(tuple, ids.reshape(int(iota.group(1)), int(iota.group(2))).tolist()))
 
 
 def collectives(hlo_text: str, num_devices: int) -> list[Collective]:
@@ -79,10 +87,11 @@ def collectives(hlo_text: str, num_devices: int) -> list[Collective]:
     if m.group("start") and result.startswith("("):
       result = result[1:].split("]")[0] + "]"  # async start: (operand, result, ...); same size
     dtype, nbytes = _shape_bytes(result)
-    n = _group_size(m.group("attrs"), num_devices)
+    groups = _replica_groups(m.group("attrs"))
+    n = len(groups[0]) if groups else num_devices
     # The full buffer: what a gather returns, what a scatter takes (n times what it returns).
     found.append(Collective(op, dtype, nbytes * n if op == "reduce-scatter" else nbytes, n,
-                            computation in branches))
+                            computation in branches, groups))
   return found
 
 
