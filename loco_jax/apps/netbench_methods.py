@@ -171,33 +171,43 @@ def group_axes(mesh, groups: Sequence[Sequence[int]]) -> tuple[str, ...]:
   raise ValueError(f"replica groups {groups} are no mesh axes of {dict(mesh.shape)}")
 
 
-def node_sent_bytes(found: Sequence[Any], node_of: Sequence[int]) -> list[float] | None:
-  """Bytes each node sends to the other nodes in one step, as gloo runs the collectives `found`
-  (comm.compiled_collectives): an all-to-all sends each other member its 1/g of the buffer
-  directly; an all-gather is a ring, each member sending g-1 blocks to the next rank; an
-  all-reduce a ring, each member sending 2(g-1)/g of the buffer to the previous rank; a
-  reduce-scatter of 2 members sends each the other's half. `node_of[i]`: the node of device
-  i. None when a collective that spans nodes runs otherwise (no model of it here).
-  """
+def crossing_bytes(c: Any, node_of: Sequence[int]) -> list[float] | None:
+  """Bytes each node sends the other nodes in one run of the compiled collective `c` as gloo
+  runs it: an all-to-all sends each other member its 1/g of the buffer directly; an all-gather
+  is a ring, each member sending g-1 blocks to the next rank; an all-reduce a ring, each member
+  sending 2(g-1)/g of the buffer to the previous rank; a reduce-scatter of 2 members sends each
+  the other's half. `node_of[i]`: the node of device i. None for a collective that spans nodes
+  and runs otherwise (no model of it here)."""
   sent = [0.0] * (max(node_of) + 1)
-  for c in (c for c in found if not c.conditional):
-    for group in c.groups or (tuple(range(len(node_of))),):
-      g, nodes = len(group), [node_of[d] for d in group]
-      if len(set(nodes)) < 2:
-        continue
-      for r in range(g):
-        if c.op == "all-to-all":
-          sends = [(j, c.nbytes / g) for j in range(g) if j != r]
-        elif c.op == "all-gather":
-          sends = [((r + 1) % g, (g - 1) * c.nbytes / g)]
-        elif c.op == "all-reduce":
-          sends = [((r - 1) % g, 2 * (g - 1) * c.nbytes / g)]
-        elif c.op == "reduce-scatter" and g == 2:
-          sends = [(1 - r, c.nbytes / 2)]
-        else:
-          return None
-        sent[nodes[r]] += sum(b for j, b in sends if nodes[j] != nodes[r])
+  for group in c.groups or (tuple(range(len(node_of))),):
+    g, nodes = len(group), [node_of[d] for d in group]
+    if len(set(nodes)) < 2:
+      continue
+    for r in range(g):
+      if c.op == "all-to-all":
+        sends = [(j, c.nbytes / g) for j in range(g) if j != r]
+      elif c.op == "all-gather":
+        sends = [((r + 1) % g, (g - 1) * c.nbytes / g)]
+      elif c.op == "all-reduce":
+        sends = [((r - 1) % g, 2 * (g - 1) * c.nbytes / g)]
+      elif c.op == "reduce-scatter" and g == 2:
+        sends = [(1 - r, c.nbytes / 2)]
+      else:
+        return None
+      sent[nodes[r]] += sum(b for j, b in sends if nodes[j] != nodes[r])
   return sent
+
+
+def node_sent_bytes(found: Sequence[Any], node_of: Sequence[int]) -> list[float] | None:
+  """Bytes each node sends the other nodes in one step of the collectives `found`
+  (comm.compiled_collectives; the conditional ones left out), by `crossing_bytes`."""
+  total = [0.0] * (max(node_of) + 1)
+  for c in (c for c in found if not c.conditional):
+    sent = crossing_bytes(c, node_of)
+    if sent is None:
+      return None
+    total = [a + b for a, b in zip(total, sent)]
+  return total
 
 
 _DTYPES = {"u8": "uint8", "s8": "int8", "u16": "uint16", "s16": "int16", "bf16": "uint16",

@@ -42,7 +42,8 @@ def _inter_node(host0: dict, n_params: int, nodes: int, inter_rate: str,
                 host_wire_s: float) -> dict:
   """The two-level fields: bits per parameter per step every node sent the others, measured
   on its uplink and predicted from the compiled collectives (None: no model for one of them)."""
-  measured, predicted = host0["measured_inter_bits_per_node"], host0["predicted_inter_bits_per_node"]
+  measured = host0["measured_inter_bits_per_node"]
+  predicted = host0["predicted_inter_bits_per_node"]
   if measured is None or len(measured) != nodes:
     raise RuntimeError(f"{host0['method']}: host 0 did not report the {nodes} uplinks' counters")
   inter_s = None if predicted is None else max(predicted) * n_params / netns.rate_bits(inter_rate)

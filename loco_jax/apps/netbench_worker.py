@@ -275,8 +275,17 @@ def _measure(method: str, args, mesh, barrier, ones, uplinks: list[tuple[str, st
                                                                    for b in inter],
       "finite": bool(np.isfinite(np.asarray(out["w"].addressable_data(0))).all()),
       "malloc": os.environ.get("GLIBC_TUNABLES", ""),
-      "collectives": [f"{c.op}:{c.dtype}:{int(c.nbytes)}:{len(c.groups) or 1}x{c.group_size}"
-                      + (":cond" if c.conditional else "") for c in found]}
+      "collectives": [_describe(c, mesh, node_of if args.nodes > 1 else None) for c in found]}
+
+
+def _describe(c, mesh, node_of: list[int] | None) -> str:
+  """'op:dtype:bytes:axes', then ':between=B' (bytes all nodes send the others) on two levels,
+  ':cond' for a collective in a conditional branch."""
+  text = f"{c.op}:{c.dtype}:{int(c.nbytes)}:{'+'.join(netbench_methods.group_axes(mesh, c.groups))}"
+  if node_of is not None:
+    between = netbench_methods.crossing_bytes(c, node_of)
+    text += f":between={'?' if between is None else int(sum(between))}"
+  return text + (":cond" if c.conditional else "")
 
 
 def main(argv=None) -> int:
