@@ -15,6 +15,11 @@ import time
 
 from loco_jax.apps import netbench_methods, netns
 
+# A task whose heartbeats stop this long fails the job. 30 s killed a 4-host run at 100 Mb/s
+# while other jobs loaded the two cores (load average 15); a host that dies is seen at once by
+# netbench (its exit), and one that hangs by --timeout.
+HEARTBEAT_TIMEOUT_S = 120
+
 # End-to-end training (adamw): ddp with the gradient averaged by each, then zero2 and fsdp
 # (parallel's modes, the demo GPT split into layers) reduce-scattering it in float32 or with
 # LoCo. "compute" averages nothing: the ddp step without the exchange, which splits every ddp
@@ -298,7 +303,8 @@ def main(argv=None) -> int:
   from loco_jax.train import parallel
   parallel.initialize(args.coordinator, args.hosts, args.process_id,
                       gloo_hostname=args.address, initialization_timeout=min(args.timeout, 120),
-                      heartbeat_timeout_seconds=30, shutdown_timeout_seconds=30)
+                      heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S,
+                      shutdown_timeout_seconds=30)
   from jax.sharding import PartitionSpec as P
 
   meshes = _meshes(args, jax)
