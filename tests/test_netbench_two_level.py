@@ -261,3 +261,22 @@ def test_two_levels_on_the_wire_the_hierarchical_all_reduce_crosses_less(tmp_pat
   assert all(31.5 < b < 33 for b in hier["measured_inter_bits_per_node"]), hier
   ratio = hier["measured_inter_bits_per_param"] / flat["measured_inter_bits_per_param"]
   assert abs(ratio - 2 / 3) < 0.02, ratio
+
+
+def test_the_two_level_table_and_plot(tmp_path):
+  from loco_jax.apps import netbench_report
+  rows = []
+  for method, inter, step in (("loco", 32.0, 0.9), ("two-hop", 20.0, 0.6)):
+    for rate in ("1gbit", "100mbit"):
+      rows.append({"method": method, "hosts": 4, "nodes": 2, "rate": "10gbit",
+                   "inter_rate": rate, "n_params": 1000, "step_s": step, "cpu_s": 0.1,
+                   "collectives_s": 0.5, "predicted_wire_s": 0.4,
+                   "measured_bits_per_param": 15.0, "predicted_bits_per_param": 15.0,
+                   "measured_inter_bits_per_param": inter,
+                   "predicted_inter_bits_per_param": inter})
+  table = netbench_report.format_two_level_table(rows)
+  assert table[4].startswith("| two-hop | 2 x 2 | 10gbit in / 1gbit between nodes |")
+  assert table[4].endswith("| 0.625x |") and table[2].endswith("| 1.000x |")
+  netbench_report.plot(rows, str(tmp_path / "two.png"))
+  assert (tmp_path / "two.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  assert [p.name for p in tmp_path.iterdir()] == ["two.png"]   # no temp file left

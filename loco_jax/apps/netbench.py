@@ -184,16 +184,13 @@ def _check_args(args) -> list[tuple[str, str | None]]:
     raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
   if not 0 <= args.min_rate_fraction <= 1:
     raise ValueError(f"--min-rate-fraction must be in [0, 1], got {args.min_rate_fraction}")
-  rates = args.rate.split(",")
-  for r in rates:
-    netns.rate_bits(r)
   if (args.nodes > 1) != (args.inter_rate is not None):
     raise ValueError(f"--inter-rate is the rate between nodes: give it exactly when --nodes > 1 "
                      f"(--nodes {args.nodes}, --inter-rate {args.inter_rate!r})")
-  inter_rates = args.inter_rate.split(",") if args.inter_rate is not None else [None]
-  for r in inter_rates:
-    if r is not None:
-      netns.rate_bits(r)
+  rates = args.rate.split(",")
+  inter_rates = [None] if args.inter_rate is None else args.inter_rate.split(",")
+  for r in rates + [i for i in inter_rates if i is not None]:
+    netns.rate_bits(r)
   if not args.exchange_only:
     _check_training(args)
   for option, path in (("--json", args.json), ("--png", args.png)):

@@ -59,18 +59,23 @@ def hierarchical(across: Callable[[], Any] | None = None, node_axis: str = NODE,
   def update(updates, state, params=None):
     del params
     local = comm.axis_size(local_axis, "netbench")
-    shards = jax.tree.map(lambda g: wire.reduce_scatter(
-        comm.shard_rows(g.reshape(-1).astype(jnp.float32), layout(g)), local_axis).reshape(-1)
-                          / local, updates)
+
+    def scatter(g):  # this device's shard of its node's mean
+      rows = comm.shard_rows(g.reshape(-1).astype(jnp.float32), layout(g))
+      return wire.reduce_scatter(rows, local_axis).reshape(-1) / local
+
+    shards = jax.tree.map(scatter, updates)
+    dtype = jnp.float32 if inner is None else jnp.bfloat16
     if inner is None:
       shards = jax.tree.map(lambda s: jax.lax.pmean(s, node_axis), shards)
-      dtype = jnp.float32
     else:
       shards, state = inner.update(shards, state)
-      dtype = jnp.bfloat16
-    full = jax.tree.map(lambda s, g: comm.from_rows(comm.all_gather(
-        s.astype(dtype), local_axis), layout(g)).reshape(g.shape).astype(g.dtype), shards, updates)
-    return full, state
+
+    def gather(s, g):
+      full = comm.from_rows(comm.all_gather(s.astype(dtype), local_axis), layout(g))
+      return full.reshape(g.shape).astype(g.dtype)
+
+    return jax.tree.map(gather, shards, updates), state
 
   return optax.GradientTransformation(init, update)
 

@@ -15,9 +15,9 @@ import time
 
 from loco_jax.apps import netbench_methods, netns
 
-# A task whose heartbeats stop this long fails the job. 30 s killed a 4-host run at 100 Mb/s
-# while other jobs loaded the two cores (load average 15); a host that dies is seen at once by
-# netbench (its exit), and one that hangs by --timeout.
+# A task whose heartbeats stop this long fails the job: 30 s failed a run on busy cores
+# (docs/NETWORK.md). A host that dies is seen at once by netbench (its exit), one that hangs by
+# --timeout.
 HEARTBEAT_TIMEOUT_S = 120
 
 # End-to-end training (adamw): ddp with the gradient averaged by each, then zero2 and fsdp
