@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from loco_jax.apps import netbench, netbench_worker, netns
+from loco_jax.apps import netbench, netbench_methods, netbench_report, netns
 
 TIMEOUT_S = 150
 
@@ -82,8 +82,20 @@ def test_without_root_or_tools_it_exits_2_naming_what_is_missing(monkeypatch, ca
   assert "root" in err and "`tc`" in err
 
 
-@pytest.mark.parametrize("argv, message", [
+def _forbid_building(monkeypatch):
+  """netns and subprocess made to fail if netbench builds anything or starts a process, and the
+  requirements made present, so that only the argument checks can stop the run."""
+  def refuse(*args, **kwargs):
+    raise AssertionError("netbench built something before checking its arguments")
+  monkeypatch.setattr(netns, "missing_requirements", lambda: [])
+  for name in ("Network", "remove_stale", "_run"):
+    monkeypatch.setattr(netns, name, refuse)
+  monkeypatch.setattr(netbench.subprocess, "Popen", refuse)
+
+
+BAD_ARGUMENTS = [
     (["--exchange-only", "--rate", "fast"], "kbit, mbit or gbit"),
+    (["--exchange-only", "--rate", "0mbit"], "positive number"),
     (["--exchange-only", "--methods", "fp32,fp64"], "--methods"),
     (["--exchange-only", "--steps", "0"], "--steps"),
     (["--train-methods", "fp32,adam"], "--train-methods"),
@@ -92,10 +104,64 @@ def test_without_root_or_tools_it_exits_2_naming_what_is_missing(monkeypatch, ca
     (["--train-steps", "2"], "--train-steps"),
     (["--param-gather", "fp16"], "--param-gather"),
     (["--devices-per-host", "3", "--batch-per-host", "4"], "--batch-per-host"),
-])
-def test_bad_arguments_exit_2_saying_what_is_accepted(argv, message, capsys):
+    # Issue 30: these ended in a traceback (exit 1) after the argument checks.
+    (["--exchange-only", "--hosts", "0"], "hosts must be in 2..64, got 0"),
+    (["--exchange-only", "--hosts", "1"], "hosts must be in 2..64, got 1"),
+    (["--exchange-only", "--hosts", "100"], "hosts must be in 2..64, got 100"),
+    (["--exchange-only", "--delay", "5 ms"], "delay must be a number followed by us, ms or s"),
+    (["--exchange-only", "--delay=-5ms"], "delay must be"),
+    (["--exchange-only", "--burst", "100"], "burst must be at least 1514"),
+    (["--exchange-only", "--params", str(2**50)], "more than this machine's"),
+    # Two levels.
+    (["--exchange-only", "--hosts", "4", "--nodes", "3", "--inter-rate", "1gbit"],
+     "nodes must divide the hosts"),
+    (["--exchange-only", "--hosts", "4", "--nodes", "2"], "--inter-rate is the rate between"),
+    (["--exchange-only", "--inter-rate", "1gbit"], "--inter-rate is the rate between"),
+    (["--exchange-only", "--hosts", "4", "--nodes", "2", "--inter-rate", "1gbyte"],
+     "kbit, mbit or gbit"),
+    (["--exchange-only", "--methods", "fp32,two-hop"], "need --nodes >= 2"),
+    (["--hosts", "4", "--nodes", "2", "--inter-rate", "1gbit"], "pass --exchange-only"),
+]
+
+
+@pytest.mark.parametrize("argv, message", BAD_ARGUMENTS)
+def test_bad_arguments_exit_2_with_one_line_before_anything_is_built(argv, message, monkeypatch,
+                                                                       capsys):
+  _forbid_building(monkeypatch)
   assert netbench.main(argv) == 2
-  assert message in capsys.readouterr().err
+  err = capsys.readouterr().err
+  assert message in err and err.count("\n") == 1, err
+
+
+def test_unwritable_outputs_are_refused_before_the_run(tmp_path, monkeypatch, capsys):
+  _forbid_building(monkeypatch)
+  cases = [(["--json", str(tmp_path / "missing" / "net.json")], "does not exist"),
+           (["--png", str(tmp_path / "missing" / "net.png")], "does not exist"),
+           (["--json", str(tmp_path)], "must name a file"),
+           (["--json", "/proc/netbench.json"], "cannot be written"),
+           (["--json", str(tmp_path / "a"), "--png", str(tmp_path / "a")], "the same file")]
+  for argv, message in cases:
+    assert netbench.main(["--exchange-only", *argv]) == 2, argv
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+  assert sorted(p.name for p in tmp_path.iterdir()) == []   # no probe file left behind
+
+
+def test_results_are_written_whole_or_printed(tmp_path, monkeypatch, capsys):
+  args = netbench._parser().parse_args(["--json", str(tmp_path / "net.json")])
+  records = [{"method": "fp32", "step_s": 0.1}]
+  assert netbench._write_outputs(args, records, [])
+  assert json.loads((tmp_path / "net.json").read_text()) == records
+  # A write that fails half-way (the disk fills) leaves the old file as it was, and the new
+  # records reach the user on stderr rather than being lost.
+  def full(fd):
+    raise OSError(28, "No space left on device")
+  monkeypatch.setattr(os, "fsync", full)
+  assert not netbench._write_outputs(args, [{"method": "loco", "step_s": 0.05}], [])
+  assert json.loads((tmp_path / "net.json").read_text()) == records
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["net.json"]
+  err = capsys.readouterr().err
+  assert "No space left" in err and '"loco"' in err
 
 
 def test_hosts_get_the_malloc_settings_unless_told_otherwise(monkeypatch):
@@ -131,12 +197,12 @@ def test_check_flags_bytes_off_the_prediction_and_a_slow_all_reduce():
   ok = _record("loco", [10.1, 10.05], 10.0)
   off = _record("bf16", [16.0, 16.5], 16.0)
   slow = _record("fp32", [32.0, 32.0], 32.0, step_s=0.04)
-  assert netbench.check([ok], 0.9) == []
-  failures = netbench.check([ok, off, slow], 0.9)
+  assert netbench_report.check([ok], 0.9) == []
+  failures = netbench_report.check([ok, off, slow], 0.9)
   assert len(failures) == 2
   assert "bf16" in failures[0] and "3.1%" in failures[0]
   assert "calibration" in failures[1] and "80%" in failures[1]
-  assert netbench.check([slow], 0.75) == []
+  assert netbench_report.check([slow], 0.75) == []
 
 
 def test_refuses_to_remove_namespaces_that_are_not_its_own():
@@ -158,7 +224,7 @@ def test_training_rows_split_the_step_and_carry_the_cost_model():
           _train_row("loco", 0, 0.10, eval_loss=2.02, bits=10.0, predicted=10.0),
           _train_row("loco", 1, 0.09, eval_loss=2.04, bits=10.1, predicted=10.0),
           {"kind": "result", "method": "fp32"}]
-  records = {r["method"]: r for r in netbench.summarize_training(rows, 2, "100mbit")}
+  records = {r["method"]: r for r in netbench_report.summarize_training(rows, 2, "100mbit")}
   fp32, loco = records["fp32"], records["loco"]
   assert fp32["step_s"] == 0.25 and fp32["compute_s"] == 0.06   # the slowest host's
   assert abs(fp32["exchange_s"] - 0.19) < 1e-12
@@ -168,33 +234,32 @@ def test_training_rows_split_the_step_and_carry_the_cost_model():
   assert abs(fp32["predicted_step_s"] - (0.06 + 0.32)) < 1e-9
   assert abs(fp32["cost_model_step_s"] - (0.06 + 0.32)) < 1e-9
   assert abs(loco["cost_model_step_s"] - (0.06 + 0.1)) < 1e-9
-  assert netbench.check_training(list(records.values())) == []
-  assert "fp32" in netbench.format_training_table([fp32])[2]
-  bad = netbench.summarize_training(rows[:2] + [_train_row("bf16", h, 0.1, bits=17.0,
+  assert netbench_report.check_training(list(records.values())) == []
+  assert "fp32" in netbench_report.format_training_table([fp32])[2]
+  bad = netbench_report.summarize_training(rows[:2] + [_train_row("bf16", h, 0.1, bits=17.0,
                                                            predicted=16.0) for h in (0, 1)],
                                     2, "100mbit")
-  (failure,) = netbench.check_training(bad)
+  (failure,) = netbench_report.check_training(bad)
   assert "bf16" in failure and "6.2%" in failure
   with pytest.raises(RuntimeError, match="compute step"):
-    netbench.summarize_training(rows[2:], 2, "100mbit")
+    netbench_report.summarize_training(rows[2:], 2, "100mbit")
 
 
 def test_the_collectives_replay_runs_the_steps_collectives_as_compiled():
   import jax
-  import jax.numpy as jnp
   import numpy as np
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
 
-  from loco_jax import comm, loco
+  from loco_jax import comm
   from loco_jax.comm import wire
   from loco_jax.train import parallel
   mesh = parallel.data_mesh(8)
   with wire.chunking(1024):   # the pieces of a chunked step, each replayed as it is
-    step, state = netbench_worker._exchange("loco", 40_000, mesh, jax, jnp, P)
+    step, state = netbench_methods.exchange_step("loco", 40_000, mesh)
     grads = jax.device_put(np.ones((8, 40_000), np.float32), NamedSharding(mesh, P("data")))
     found = comm.compiled_collectives(step, grads, state)
-  replay = netbench_worker.collectives_only(found, mesh, jax, jnp, P)
+  replay = netbench_methods.collectives_replay(found, mesh)
   ones = jax.device_put(np.ones(8, np.float32), NamedSharding(mesh, P("data")))
   replayed = comm.compiled_collectives(replay, ones)
   key = lambda c: (c.op, c.dtype, c.nbytes)
@@ -216,6 +281,7 @@ def test_sharded_training_methods_train_and_report_their_wire(method):
   config = demo.DemoConfig(steps=4, devices=8, batch_per_device=1, seq_len=16, d_model=32,
                            n_layers=2, n_heads=2, d_ff=64, warmup=1, eval_batches=2,
                            corpus_bytes=200_000)
+  from loco_jax.apps import netbench_worker
   record = netbench_worker._train(method, config, demo.load_corpus(config),
                                   parallel.data_mesh(), "lo", jax, jnp, P)
   assert record["method"] == method and np.isfinite(record["eval_loss"])

@@ -114,7 +114,7 @@ class DemoError(ValueError):
 def co3_status() -> str | None:
   """None if loco_jax.co3 imports, else why it does not."""
   try:
-    module = importlib.import_module("loco_jax.co3")
+    module = importlib.import_module("loco_jax.transforms.co3")
   except ImportError as e:
     return f"loco_jax.co3 is not importable ({e})"
   if not hasattr(module, "co3"):

@@ -1,7 +1,8 @@
 """One netbench host: joins the job bound to its address, times each method's exchange step.
 
 Run by netbench inside a host's namespace (`python -m loco_jax.apps.netbench_worker ...`); prints
-one JSON line per method ("result": ...) and nothing else on stdout.
+one JSON line per method ("result": ...) and nothing else on stdout. On two levels the host
+given `--uplinks` also reads the inter-node links' counters around the timed steps.
 """
 
 import argparse
@@ -12,8 +13,13 @@ import statistics
 import sys
 import time
 
-# The exchanges netbench measures: a gradient of `n` float32 parameters averaged over the hosts.
-METHODS = ("fp32", "bf16", "loco", "loco-quantized", "int4", "zero2-fp32", "zero2-loco", "co3")
+from loco_jax.apps import netbench_methods, netns
+
+# A task whose heartbeats stop this long fails the job: 30 s failed a run on busy cores
+# (docs/NETWORK.md). A host that dies is seen at once by netbench (its exit), one that hangs by
+# --timeout.
+HEARTBEAT_TIMEOUT_S = 120
+
 # End-to-end training (adamw): ddp with the gradient averaged by each, then zero2 and fsdp
 # (parallel's modes, the demo GPT split into layers) reduce-scattering it in float32 or with
 # LoCo. "compute" averages nothing: the ddp step without the exchange, which splits every ddp
@@ -38,6 +44,10 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--devices-per-host", type=int, default=1)
   p.add_argument("--timeout", type=int, required=True, help="seconds before this host gives up")
   p.add_argument("--namespace", required=True, help="this host's namespace (names the process)")
+  p.add_argument("--nodes", type=int, default=1, help="nodes of --hosts / --nodes hosts each")
+  p.add_argument("--uplinks", default="",
+                 help="NAMESPACE:INTERFACE of each node's inter-node link, whose tx_bytes this "
+                      "host reads around the timed steps ('': none)")
   p.add_argument("--train-methods", default="", help="comma-separated TRAIN_METHODS ('': none)")
   p.add_argument("--train-steps", type=int, default=0)
   p.add_argument("--train-model", default="512,1,3072,8",
@@ -51,40 +61,6 @@ def _parser() -> argparse.ArgumentParser:
 def _tx_bytes(interface: str) -> int:
   with open(f"/sys/class/net/{interface}/statistics/tx_bytes") as f:
     return int(f.read())
-
-
-def _exchange(method: str, n_params: int, mesh, jax, jnp, P):
-  """(jitted step(grads, state) -> (averaged, state), initial state) for `method`."""
-  from loco_jax import co3, loco
-  from loco_jax.train import parallel, shards
-  from loco_jax.transforms import baselines
-  params = {"w": jnp.zeros((n_params,), jnp.float32)}
-  like = {"w": jax.ShapeDtypeStruct((n_params,), jnp.float32)}
-  compressors = {
-      "fp32": lambda: baselines.uncompressed("data"),
-      "bf16": lambda: baselines.bf16("data"),
-      "loco": lambda: loco(axis_name="data"),
-      "loco-quantized": lambda: loco(axis_name="data", gather="quantized"),
-      "int4": lambda: baselines.int_quantized(4, axis_name="data"),
-      "co3": lambda: co3(axis_name="data"),
-      # ZeRO-2: the gradient's reduce-scatter, then the all-gather of the updated parameter
-      # shards (float32 masters gathered in fp32, or in the bf16 compute dtype with LoCo).
-      "zero2-fp32": lambda: parallel.reduce_scatter("data"),
-      "zero2-loco": lambda: loco(axis_name="data", scatter=True),
-  }
-  comp = compressors[method]()
-  state, specs = parallel.init_opt_state(comp, params, mesh)
-  param_dtype = {"zero2-fp32": jnp.float32, "zero2-loco": jnp.bfloat16}.get(method)
-
-  def local(g_1xN, s):
-    out, s = comp.update({"w": g_1xN[0]}, s, params)
-    if param_dtype is not None:  # the shards come back as full parameters
-      out = shards.gather_params(out, like, "data", shards.ParamGather(param_dtype))
-    return out, s
-
-  step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("data"), specs),
-                               out_specs=({"w": P()}, specs)))
-  return step, state
 
 
 def train_config(args, devices: int):
@@ -185,10 +161,8 @@ def _train(method: str, config, corpus, mesh, interface: str, jax, jnp, P,
     times.append(time.perf_counter() - t0)
   sent = _tx_bytes(interface) - tx0
   timed = len(batches) - warm
-  replay = collectives_only(found, mesh, jax, jnp, P)
-  n_dev = mesh.shape["data"]
-  ones = jax.make_array_from_callback((n_dev,), NamedSharding(mesh, P("data")),
-                                      lambda idx: np.ones(n_dev, np.float32)[idx])
+  replay = netbench_methods.collectives_replay(found, mesh)
+  ones = _ones(mesh, jax)
   jax.block_until_ready(replay(ones))
   collectives_s = _median_time(replay, ones, steps=5, jax=jax)
   if unshard is None:
@@ -209,41 +183,6 @@ def _train(method: str, config, corpus, mesh, interface: str, jax, jnp, P,
           "overlapped_collectives": sum(comm.async_collectives(compiled_text).values())}
 
 
-_DTYPES = {"u8": "uint8", "s8": "int8", "u16": "uint16", "s16": "int16", "bf16": "uint16",
-           "f16": "uint16", "u32": "uint32", "s32": "int32", "f32": "float32"}
-
-
-def collectives_only(found, mesh, jax, jnp, P):
-  """A jitted program that runs just the collectives of `found` (each piece as compiled: op,
-  dtype, bytes) on zeros, in order: the exchange's wire time without the step's compute."""
-  n = mesh.shape["data"]
-
-  def local(x):
-    out = []
-    for c in (c for c in found if not c.conditional):
-      dtype = jnp.dtype(_DTYPES.get(c.dtype, "uint8"))
-      count = max(int(c.nbytes // (dtype.itemsize if c.dtype in _DTYPES else 1)), n)
-      count -= count % n
-      zeros = jnp.zeros((count,), dtype) + x[0].astype(dtype)   # not a constant: runs each step
-      if c.op == "all-reduce":
-        out.append(jax.lax.psum(zeros, "data")[:1])
-      elif c.op == "all-to-all":
-        out.append(jax.lax.all_to_all(zeros.reshape(n, -1), "data", 0, 0, tiled=True)[0, :1])
-      elif c.op == "all-gather":
-        out.append(jax.lax.all_gather(zeros[: count // n], "data", tiled=True,
-                                      to="invarying")[:1])
-      elif c.op == "reduce-scatter":
-        out.append(jax.lax.psum_scatter(zeros, "data", tiled=True)[:1])
-      else:
-        out.append(jax.lax.ppermute(zeros[: count // n], "data",
-                                    [(i, (i + 1) % n) for i in range(n)])[:1])
-      x = x + out[-1][:1].astype(x.dtype) * 0   # keeps the order: each waits for the last
-    return x
-
-  return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=P("data"), out_specs=P("data"),
-                               check_vma=False))
-
-
 def _median_time(fn, *args, steps: int, jax) -> float:
   times = []
   for _ in range(steps):
@@ -253,6 +192,107 @@ def _median_time(fn, *args, steps: int, jax) -> float:
   return statistics.median(times)
 
 
+def _meshes(args, jax) -> dict:
+  """{"flat": the 1-D "data" mesh of every device, "nodes": the (node, local) mesh where
+  --nodes > 1}, whose row k holds exactly the devices of node k's hosts."""
+  from loco_jax.train import parallel
+  meshes = {"flat": parallel.data_mesh()}
+  if args.nodes > 1:
+    mesh = parallel.node_mesh(args.nodes, jax.device_count() // args.nodes)
+    for k, row in enumerate(mesh.devices):
+      processes = [d.process_index for d in row]
+      if {p // (args.hosts // args.nodes) for p in processes} != {k}:
+        raise RuntimeError(f"the (node, local) mesh's row {k} holds the devices of processes "
+                           f"{processes}, not those of node {k}")
+    meshes["nodes"] = mesh
+  return meshes
+
+
+def _gradient(row: int, n_params: int):
+  """Device `row`'s gradient: the same on every mesh, different on every device."""
+  import numpy as np
+  rng = np.random.default_rng(row)
+  return (rng.standard_normal((1, n_params)).astype(np.float32)
+          * (np.arange(n_params, dtype=np.float32) % 7 + 1) * 1e-3)
+
+
+def _ones(mesh, jax):
+  """float32 ones, one a device of `mesh`, built from each host's own share."""
+  import numpy as np
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+  return jax.make_array_from_callback(
+      (mesh.size,), NamedSharding(mesh, P(netbench_methods.mesh_axes(mesh))),
+      lambda idx: np.ones(mesh.size, np.float32)[idx])
+
+
+def _uplinks_sent(uplinks: list[tuple[str, str]]) -> list[int]:
+  return [netns.link_bytes(namespace, interface)[0] for namespace, interface in uplinks]
+
+
+def _measure(method: str, args, mesh, barrier, ones, uplinks: list[tuple[str, str]]) -> dict:
+  """This host's record of `method`'s exchange on `mesh`: its median step and CPU time, the
+  bytes it sent (and, with `uplinks`, every node's bytes to the others) over the timed steps,
+  the compiled program's prediction of both, and the step's collectives alone."""
+  import jax
+  import numpy as np
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+  from loco_jax import comm
+  axes = netbench_methods.mesh_axes(mesh)
+  grads = jax.make_array_from_callback((mesh.size, args.params), NamedSharding(mesh, P(axes)),
+                                       lambda idx: _gradient(idx[0].start or 0, args.params))
+  step, state = netbench_methods.exchange_step(method, args.params, mesh)
+  found = comm.compiled_collectives(step, grads, state, num_devices=mesh.size)
+  node_of = [d.process_index // (args.hosts // args.nodes) for d in mesh.devices.flat]
+  inter = netbench_methods.node_sent_bytes(found, node_of) if args.nodes > 1 else None
+  for _ in range(args.warmup):
+    out, state = step(grads, state)
+    jax.block_until_ready(out)
+  jax.block_until_ready(barrier(ones))   # every host has finished the warm-up
+  uplinks0 = _uplinks_sent(uplinks)
+  jax.block_until_ready(barrier(ones))   # ... and the uplinks' counters are read
+  tx0, times, cpu = _tx_bytes(args.interface), [], []
+  for _ in range(args.steps):
+    t0, c0 = time.perf_counter(), time.process_time()
+    out, state = step(grads, state)
+    jax.block_until_ready(out)
+    times.append(time.perf_counter() - t0)
+    cpu.append(time.process_time() - c0)
+  jax.block_until_ready(barrier(ones))  # the peers have received all this host sent
+  sent = _tx_bytes(args.interface) - tx0
+  uplinks_sent = [b - a for a, b in zip(uplinks0, _uplinks_sent(uplinks))]
+  # Where the step's time goes: its collectives alone, as compiled (same pieces, same bytes).
+  replay = netbench_methods.collectives_replay(found, mesh)
+  replay_ones = _ones(mesh, jax)
+  jax.block_until_ready(replay(replay_ones))
+  jax.block_until_ready(barrier(ones))
+  per_step = args.steps * args.params
+  return {
+      "method": method, "topology": netbench_methods.METHODS[method].topology,
+      "step_s": statistics.median(times), "cpu_s": statistics.median(cpu), "sent_bytes": sent,
+      "collectives_s": _median_time(replay, replay_ones, steps=args.steps, jax=jax),
+      "measured_bits_per_param": 8 * sent / per_step,
+      "predicted_bits_per_param": comm.wire_bits_per_param(found, args.params)
+                                  * args.devices_per_host,
+      "measured_inter_bits_per_node": [8 * b / per_step for b in uplinks_sent] or None,
+      "predicted_inter_bits_per_node": None if inter is None else [8 * b / args.params
+                                                                   for b in inter],
+      "finite": bool(np.isfinite(np.asarray(out["w"].addressable_data(0))).all()),
+      "malloc": os.environ.get("GLIBC_TUNABLES", ""),
+      "collectives": [_describe(c, mesh, node_of if args.nodes > 1 else None) for c in found]}
+
+
+def _describe(c, mesh, node_of: list[int] | None) -> str:
+  """'op:dtype:bytes:axes', then ':between=B' (bytes all nodes send the others) on two levels,
+  ':cond' for a collective in a conditional branch."""
+  text = f"{c.op}:{c.dtype}:{int(c.nbytes)}:{'+'.join(netbench_methods.group_axes(mesh, c.groups))}"
+  if node_of is not None:
+    between = netbench_methods.crossing_bytes(c, node_of)
+    text += f":between={'?' if between is None else int(sum(between))}"
+  return text + (":cond" if c.conditional else "")
+
+
 def main(argv=None) -> int:
   args = _parser().parse_args(argv)
   # A hung peer must fail this host, not hang it: the whole run is bounded (default: exit).
@@ -260,68 +300,31 @@ def main(argv=None) -> int:
   print(f"netbench host {args.process_id} in {args.namespace} at {args.address}", file=sys.stderr)
   import jax
   jax.config.update("jax_num_cpu_devices", args.devices_per_host)
-  from loco_jax import comm
   from loco_jax.train import parallel
   parallel.initialize(args.coordinator, args.hosts, args.process_id,
                       gloo_hostname=args.address, initialization_timeout=min(args.timeout, 120),
-                      heartbeat_timeout_seconds=30, shutdown_timeout_seconds=30)
-  import jax.numpy as jnp
-  import numpy as np
-  from jax.sharding import NamedSharding
+                      heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S,
+                      shutdown_timeout_seconds=30)
   from jax.sharding import PartitionSpec as P
 
-  mesh = parallel.data_mesh()
-  n_dev = jax.device_count()
+  meshes = _meshes(args, jax)
+  mesh = meshes["flat"]
   barrier = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, "data"), mesh=mesh,
                                   in_specs=P("data"), out_specs=P()))
-  ones = jax.make_array_from_callback((n_dev,), NamedSharding(mesh, P("data")),
-                                      lambda idx: np.ones(n_dev, np.float32)[idx])
-  rng = np.random.default_rng(args.process_id)
-  grads = jax.make_array_from_callback(
-      (n_dev, args.params), NamedSharding(mesh, P("data")),
-      lambda idx: rng.standard_normal((1, args.params)).astype(np.float32)
-      * (np.arange(args.params, dtype=np.float32) % 7 + 1) * 1e-3)
-
+  ones = _ones(mesh, jax)
+  uplinks = [tuple(u.split(":")) for u in args.uplinks.split(",") if u]
   for method in args.methods.split(","):
-    step, state = _exchange(method, args.params, mesh, jax, jnp, P)
-    found = comm.compiled_collectives(step, grads, state, num_devices=n_dev)
-    predicted = comm.wire_bits_per_param(found, args.params) * args.devices_per_host
-    for _ in range(args.warmup):
-      out, state = step(grads, state)
-      jax.block_until_ready(out)
-    # Every host has finished the warm-up once the barrier returns on all of them.
-    jax.block_until_ready(barrier(ones))
-    tx0, times, cpu = _tx_bytes(args.interface), [], []
-    for _ in range(args.steps):
-      t0, c0 = time.perf_counter(), time.process_time()
-      out, state = step(grads, state)
-      jax.block_until_ready(out)
-      times.append(time.perf_counter() - t0)
-      cpu.append(time.process_time() - c0)
-    jax.block_until_ready(barrier(ones))  # the peers have received all this host sent
-    sent = _tx_bytes(args.interface) - tx0
-    # Where the step's time goes: its collectives alone, as compiled (same pieces, same bytes).
-    replay = collectives_only(found, mesh, jax, jnp, P)
-    jax.block_until_ready(replay(ones))
-    jax.block_until_ready(barrier(ones))
-    collectives_s = _median_time(replay, ones, steps=args.steps, jax=jax)
-    finite = bool(np.isfinite(np.asarray(out["w"].addressable_data(0))).all())
-    print(json.dumps({"result": {
-        "method": method, "host": args.process_id, "step_s": statistics.median(times),
-        "cpu_s": statistics.median(cpu), "sent_bytes": sent, "collectives_s": collectives_s,
-        "measured_bits_per_param": 8 * sent / (args.steps * args.params),
-        "predicted_bits_per_param": predicted, "finite": finite,
-        "malloc": os.environ.get("GLIBC_TUNABLES", ""),
-        "collectives": [f"{c.op}:{c.dtype}:{int(c.nbytes)}" + (":cond" if c.conditional else "")
-                        for c in found]}}), flush=True)
+    record = _measure(method, args, meshes[netbench_methods.METHODS[method].topology], barrier,
+                      ones, uplinks)
+    print(json.dumps({"result": {**record, "host": args.process_id}}), flush=True)
   if args.train_steps:
     from loco_jax.apps import demo
-    config = train_config(args, n_dev)
+    config = train_config(args, mesh.size)
     corpus = demo.load_corpus(config)
     # "compute" first: the step without the exchange, for every method's split.
     for method in ["compute", *[m for m in args.train_methods.split(",") if m]]:
       jax.block_until_ready(barrier(ones))
-      record = _train(method, config, corpus, mesh, args.interface, jax, jnp, P,
+      record = _train(method, config, corpus, mesh, args.interface, jax, jax.numpy, P,
                       args.param_gather)
       print(json.dumps({"train": {**record, "host": args.process_id}}), flush=True)
   jax.distributed.shutdown()

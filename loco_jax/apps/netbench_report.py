@@ -1,0 +1,242 @@
+"""netbench's records from the hosts' results: per method and link setting, the slowest host's
+step, the bits on the wire against the compiled program's, tables, checks and the plot."""
+
+import math
+import statistics
+
+from loco_jax.apps import netns
+
+BITS_TOLERANCE = 0.02         # measured within 2% of the compiled program's prediction
+
+
+def summarize(results: list[dict], hosts: int, rate: str, n_params: int, nodes: int = 1,
+              inter_rate: str | None = None) -> list[dict]:
+  """One record per method: the slowest host's median step, the mean bits the hosts sent and,
+  on two levels, the bits every node sent the others (read by host 0 on the uplinks)."""
+  records = []
+  results = [r for r in results if r.get("kind", "result") == "result"]
+  for method in dict.fromkeys(r["method"] for r in results):
+    rows = [r for r in results if r["method"] == method]
+    if len(rows) != hosts:
+      raise RuntimeError(f"{method}: {len(rows)} of {hosts} hosts reported")
+    predicted = rows[0]["predicted_bits_per_param"]
+    record = {
+        "method": method, "hosts": hosts, "rate": rate, "n_params": n_params,
+        "step_s": max(r["step_s"] for r in rows),
+        "cpu_s": max(r["cpu_s"] for r in rows),
+        "collectives_s": max(r["collectives_s"] for r in rows),
+        "measured_bits_per_param": statistics.mean(r["measured_bits_per_param"] for r in rows),
+        "measured_bits_per_host": [r["measured_bits_per_param"] for r in rows],
+        "predicted_bits_per_param": predicted,
+        "predicted_wire_s": predicted * n_params / netns.rate_bits(rate),
+        "finite": all(r["finite"] for r in rows),
+        "host_malloc": rows[0]["malloc"],
+        "collectives": rows[0]["collectives"]}
+    if nodes > 1:
+      record.update(_inter_node(rows[0], n_params, nodes, inter_rate, record["predicted_wire_s"]))
+    records.append(record)
+  return records
+
+
+def _inter_node(host0: dict, n_params: int, nodes: int, inter_rate: str,
+                host_wire_s: float) -> dict:
+  """The two-level fields: bits per parameter per step every node sent the others, measured
+  on its uplink and predicted from the compiled collectives (None: no model for one of them)."""
+  measured = host0["measured_inter_bits_per_node"]
+  predicted = host0["predicted_inter_bits_per_node"]
+  if measured is None or len(measured) != nodes:
+    raise RuntimeError(f"{host0['method']}: host 0 did not report the {nodes} uplinks' counters")
+  inter_s = None if predicted is None else max(predicted) * n_params / netns.rate_bits(inter_rate)
+  return {
+      "nodes": nodes, "inter_rate": inter_rate, "topology": host0["topology"],
+      "measured_inter_bits_per_param": sum(measured), "measured_inter_bits_per_node": measured,
+      "predicted_inter_bits_per_param": None if predicted is None else sum(predicted),
+      "predicted_inter_bits_per_node": predicted,
+      "predicted_wire_s": host_wire_s if inter_s is None else max(host_wire_s, inter_s)}
+
+
+# The LoCo paper's Table I widths (b_g, b_w) of each training method, for bench.comm_seconds.
+TABLE_I_BITS = {"fp32": (32, 32), "bf16": (16, 16), "loco": (4, 16), "loco-quantized": (4, 4)}
+
+
+def summarize_training(results: list[dict], hosts: int, rate: str) -> list[dict]:
+  """One record per training method: the slowest host's median step, tokens per second, eval
+  loss, its split into compute (the same step with no exchange, method "compute") and exchange
+  (of which `collectives_s`: the step's collectives alone, replayed as compiled),
+  and beside it the step the compiled program's bytes predict (compute + bits at the rate)
+  and the cost model's (compute + bench.comm_seconds with Table I's widths)."""
+  from loco_jax.apps import bench
+  rows = [r for r in results if r.get("kind") == "train"]
+  compute = [r for r in rows if r["method"] == "compute"]
+  if len(compute) != hosts:
+    raise RuntimeError(f"training: {len(compute)} of {hosts} hosts reported the compute step")
+  compute_s = max(r["step_s"] for r in compute)
+  bits_per_s = netns.rate_bits(rate)
+  records = []
+  for method in dict.fromkeys(r["method"] for r in rows):
+    mine = [r for r in rows if r["method"] == method]
+    if len(mine) != hosts:
+      raise RuntimeError(f"training {method}: {len(mine)} of {hosts} hosts reported")
+    first, step_s = mine[0], max(r["step_s"] for r in mine)
+    n = first["n_params"]
+    record = {
+        "method": method, "kind": "train", "hosts": hosts, "rate": rate, "n_params": n,
+        "step_s": step_s, "tokens_per_s": first["tokens_per_step"] / step_s,
+        "eval_loss": statistics.mean(r["eval_loss"] for r in mine),
+        "final_loss": statistics.mean(r["final_loss"] for r in mine),
+        "compute_s": compute_s, "exchange_s": max(step_s - compute_s, 0.0),
+        "collectives_s": max(r["collectives_s"] for r in mine),
+        "measured_bits_per_param": statistics.mean(r["measured_bits_per_param"] for r in mine),
+        "measured_bits_per_host": [r["measured_bits_per_param"] for r in mine],
+        "predicted_bits_per_param": first["predicted_bits_per_param"],
+        "predicted_step_s": compute_s + first["predicted_bits_per_param"] * n / bits_per_s,
+        "overlapped_collectives": first.get("overlapped_collectives", 0)}
+    if method in TABLE_I_BITS:
+      record["cost_model_step_s"] = compute_s + bench.comm_seconds(
+          *TABLE_I_BITS[method], n, hosts, bits_per_s / 1e9)
+    records.append(record)
+  return records
+
+
+def format_training_table(records: list[dict]) -> list[str]:
+  lines = ["| method | hosts | rate | params | step ms | compute ms | exchange ms (share) | "
+           "collectives ms | tokens/s | eval loss | predicted ms | cost model ms | "
+           "bits/param sent (pred.) | overlapped |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+  for r in records:
+    cost = f"{r['cost_model_step_s'] * 1e3:.1f}" if "cost_model_step_s" in r else "-"
+    lines.append(
+        f"| {r['method']} | {r['hosts']} | {r['rate']} | {r['n_params']} | "
+        f"{r['step_s'] * 1e3:.1f} | {r['compute_s'] * 1e3:.1f} | {r['exchange_s'] * 1e3:.1f} "
+        f"({r['exchange_s'] / r['step_s']:.0%}) | {r['collectives_s'] * 1e3:.1f} | "
+        f"{r['tokens_per_s']:.0f} | "
+        f"{r['eval_loss']:.4f} | {r['predicted_step_s'] * 1e3:.1f} | {cost} | "
+        f"{r['measured_bits_per_param']:.2f} ({r['predicted_bits_per_param']:.2f}) | "
+        f"{r['overlapped_collectives']} |")
+  return lines
+
+
+def _off(measured: list[float], predicted: float) -> float:
+  return max(abs(b / predicted - 1) for b in measured)
+
+
+def check(records: list[dict], min_rate_fraction: float) -> list[str]:
+  """The failures: bits off the prediction by more than 2% (every host's; on two levels every
+  node's to the others), a NaN output, an fp32 all-reduce under `min_rate_fraction` of the
+  nominal rate (of the inter-node links on two levels: the shaper's calibration)."""
+  failures = []
+  for r in records:
+    where = f"{r['method']} at {link_setting(r)}"
+    worst = _off(r["measured_bits_per_host"], r["predicted_bits_per_param"])
+    if worst > BITS_TOLERANCE:
+      failures.append(f"{where}: a host sent {worst:.1%} off the predicted "
+                      f"{r['predicted_bits_per_param']:.2f} bits/param")
+    for k, (got, want) in enumerate(zip(r.get("measured_inter_bits_per_node") or [],
+                                        r.get("predicted_inter_bits_per_node") or [])):
+      if want > 0 and abs(got / want - 1) > BITS_TOLERANCE:
+        failures.append(f"{where}: node {k} sent the other nodes {got:.2f} bits/param, "
+                        f"{got / want - 1:+.1%} off the predicted {want:.2f}")
+    if not r["finite"]:
+      failures.append(f"{where}: non-finite output")
+  for r in records:
+    if r["method"] == "fp32" and rate_fraction(r) < min_rate_fraction:
+      failures.append(f"calibration at {link_setting(r)}: the fp32 all-reduce reached "
+                      f"{rate_fraction(r):.0%} of the rate, under {min_rate_fraction:.0%}")
+  return failures
+
+
+def check_training(records: list[dict]) -> list[str]:
+  """Training failures: a host's bytes off the compiled program's by more than 2% (the
+  compute step sends almost nothing and is left out), a non-finite eval loss."""
+  failures = []
+  for r in records:
+    if r["method"] != "compute":
+      worst = _off(r["measured_bits_per_host"], r["predicted_bits_per_param"])
+      if worst > BITS_TOLERANCE:
+        failures.append(f"training {r['method']} at {r['rate']}: a host sent {worst:.1%} off "
+                        f"the predicted {r['predicted_bits_per_param']:.2f} bits/param")
+    if not math.isfinite(r["eval_loss"]):
+      failures.append(f"training {r['method']} at {r['rate']}: eval loss {r['eval_loss']}")
+  return failures
+
+
+def link_setting(record: dict) -> str:
+  """'1gbit', or on two levels '10gbit in / 1gbit between nodes'."""
+  if record.get("nodes", 1) > 1:
+    return f"{record['rate']} in / {record['inter_rate']} between nodes"
+  return record["rate"]
+
+
+def rate_fraction(record: dict) -> float:
+  """The share of the nominal rate a method's step achieved: bits sent / step time / rate,
+  of the busiest host's link, or on two levels of the busiest inter-node link."""
+  if record.get("nodes", 1) > 1:
+    bits, rate = max(record["measured_inter_bits_per_node"]), record["inter_rate"]
+  else:
+    bits, rate = max(record["measured_bits_per_host"]), record["rate"]
+  return bits * record["n_params"] / record["step_s"] / netns.rate_bits(rate)
+
+
+def format_table(records: list[dict]) -> list[str]:
+  lines = ["| method | hosts | rate | params | step ms | cpu ms | collectives ms | "
+           "wire ms (pred.) | % of rate | bits/param sent | predicted | diff |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+  for r in records:
+    diff = r["measured_bits_per_param"] / r["predicted_bits_per_param"] - 1
+    lines.append(
+        f"| {r['method']} | {r['hosts']} | {r['rate']} | {r['n_params']} | "
+        f"{r['step_s'] * 1e3:.1f} | {r['cpu_s'] * 1e3:.1f} | {r['collectives_s'] * 1e3:.1f} | "
+        f"{r['predicted_wire_s'] * 1e3:.1f} | "
+        f"{rate_fraction(r):.0%} | {r['measured_bits_per_param']:.3f} | "
+        f"{r['predicted_bits_per_param']:.3f} | {diff:+.2%} |")
+  return lines
+
+
+def format_two_level_table(records: list[dict]) -> list[str]:
+  """Two levels: per method the step, the bits each host sent, the bits that crossed between
+  nodes (all nodes together, per parameter and step) and their share of flat LoCo's."""
+  loco = {link_setting(r): r["measured_inter_bits_per_param"] for r in records
+          if r["method"] == "loco"}
+  lines = ["| method | nodes x hosts | links | step ms | cpu ms | collectives ms | "
+           "wire ms (pred.) | bits/param a host sent (pred.) | inter-node bits/param (pred.) "
+           "| vs loco |", "|---|---|---|---|---|---|---|---|---|---|"]
+  for r in records:
+    pred = r["predicted_inter_bits_per_param"]
+    ratio = (f"{r['measured_inter_bits_per_param'] / loco[link_setting(r)]:.3f}x"
+             if loco.get(link_setting(r)) else "-")
+    lines.append(
+        f"| {r['method']} | {r['nodes']} x {r['hosts'] // r['nodes']} | {link_setting(r)} | "
+        f"{r['step_s'] * 1e3:.1f} | {r['cpu_s'] * 1e3:.1f} | {r['collectives_s'] * 1e3:.1f} | "
+        f"{r['predicted_wire_s'] * 1e3:.1f} | {r['measured_bits_per_param']:.3f} "
+        f"({r['predicted_bits_per_param']:.3f}) | {r['measured_inter_bits_per_param']:.3f} "
+        f"({'-' if pred is None else f'{pred:.3f}'}) | {ratio} |")
+  return lines
+
+
+def plot(records: list[dict], path: str) -> None:
+  """Step time against link rate (the inter-node rate on two levels) per method, measured
+  (solid) and predicted wire time (dashed), written whole or not at all."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  from loco_jax.train import files
+  link = lambda r: netns.rate_bits(r.get("inter_rate") or r["rate"])
+  fig, ax = plt.subplots(figsize=(7, 4.5))
+  for i, method in enumerate(dict.fromkeys(r["method"] for r in records)):
+    rows = sorted((r for r in records if r["method"] == method), key=link)
+    x = [link(r) / 1e6 for r in rows]
+    ax.plot(x, [r["step_s"] * 1e3 for r in rows], "o-", color=f"C{i}", label=method)
+    ax.plot(x, [r["predicted_wire_s"] * 1e3 for r in rows], "x--", color=f"C{i}", alpha=0.6)
+  first = records[0]
+  where = (f"{first['nodes']} nodes x {first['hosts'] // first['nodes']} hosts"
+           if first.get("nodes", 1) > 1 else f"{first['hosts']} hosts")
+  ax.set(xscale="log", yscale="log", ylabel="step time (ms)",
+         xlabel="inter-node link rate (Mb/s)" if first.get("nodes", 1) > 1 else
+         "link rate (Mb/s)",
+         title=f"{where}, {first['n_params']} params (dashed: predicted wire time)")
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  try:
+    files.save_figure_atomic(fig, path)
+  finally:
+    plt.close(fig)
