@@ -67,7 +67,8 @@ def test_replica_groups_are_read_from_the_hlo_text():
                 "replica_groups=[2,2]<=[2,2]T(1,0), dimensions={0}")
   every = "%d = f32[8]{0} all-reduce(%x), channel_id=4, replica_groups={}, to_apply=%s"
   found = comm.collectives("\n".join([listed, iota, transposed, every]), 4)
-  assert [c.groups for c in found] == [((0, 2), (1, 3)), ((0, 1), (2, 3)), ((0, 2), (1, 3)), ()]
+  assert [c.groups for c in found] == [((0, 2), (1, 3)), ((0, 1), (2, 3)), ((0, 2), (1, 3)),
+                                      ((0, 1, 2, 3),)]
   assert [c.group_size for c in found] == [2, 2, 2, 4]
 
 
