@@ -28,9 +28,10 @@ def step_of(shard_mapped_update):
   return lambda opt: shard_mapped_update(opt, parallel.node_mesh(NODES, LOCAL), PARAMS, AXES)
 
 
-@pytest.mark.parametrize("intra", ["reduce_scatter", "loco"])
-def test_two_hops_track_the_mean(intra, step_of):
-  step, state = step_of(two_hop(intra=intra))
+@pytest.mark.parametrize("intra,gather", [("reduce_scatter", "bf16"), ("loco", "bf16"),
+                                          ("reduce_scatter", "quantized")])
+def test_two_hops_track_the_mean(intra, gather, step_of):
+  step, state = step_of(two_hop(intra=intra, gather=gather))
   total_in, total_out = 0, 0
   for seed in range(6):
     grads = _grads(seed)
@@ -59,17 +60,33 @@ def test_wire_bytes_per_hop(step_of):
   assert ("reduce-scatter", "intra") not in report["loco"]
 
 
+def test_a_quantized_gather_carries_bits_across_nodes_not_16(step_of):
+  across = {}
+  for gather in ("bf16", "quantized"):
+    step, state = step_of(two_hop(gather=gather))
+    found = [c for c in comm.lowered_collectives(step, _grads(0), state)
+             if c.op == "all-gather" and c.group_size == NODES]
+    assert len(found) == 1
+    across[gather] = comm.wire_bits_per_param(found, N_PARAMS)
+  # 4-bit codes and a float32 scale a block where bfloat16 carried 16 bits.
+  assert 4.0 / 16 <= across["quantized"] / across["bf16"] < 4.2 / 16, across
+  assert int(state.count) == 0 and state.gather_error is not None
+
+
 def test_bad_arguments():
   with pytest.raises(ValueError, match="intra"):
     two_hop(intra="ring")
   with pytest.raises(ValueError, match="differ"):
     two_hop("x", "x")
+  with pytest.raises(ValueError, match="gather must be one of"):
+    two_hop(gather="fp32")
 
 
-@pytest.mark.parametrize("intra", ["reduce_scatter", "loco"])
-def test_non_finite_gradient_on_one_device_outputs_nan_and_keeps_state(intra, step_of):
+@pytest.mark.parametrize("intra,gather", [("reduce_scatter", "bf16"), ("loco", "bf16"),
+                                          ("loco", "quantized")])
+def test_non_finite_gradient_on_one_device_outputs_nan_and_keeps_state(intra, gather, step_of):
   # block_size 1024: "w" is whole blocks on every local device, so hop 1 takes the fused step.
-  step, state = step_of(two_hop(intra=intra, block_size=1024))
+  step, state = step_of(two_hop(intra=intra, gather=gather, block_size=1024))
   _, state = step(_grads(0), state)
   bad = _grads(1)
   bad["w"] = bad["w"].at[1, 2, 5, 7].set(jnp.inf)
