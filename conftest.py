@@ -1,5 +1,5 @@
 """Shared by the tests and the doctests: eight simulated CPU devices (set before jax is first
-imported), the names the public API's docstring examples use, the `numerics` marker, and
+imported), the names the public API's docstring examples use, the `numerics` and `slow` markers, and
 Python's SIGINT handler for the tests that send themselves Ctrl-C."""
 import os
 import signal
@@ -17,27 +17,14 @@ import pytest  # noqa: E402
 collect_ignore = ["tests/mp_worker.py", "tests/train_worker.py", "loco_jax/__main__.py",
                   "loco_jax/apps/bench.py", "loco_jax/apps/codec_bench.py"]
 
-# Tests whose assertions rest on floating-point results of compiled XLA programs. scripts/test
-# runs them (`-m numerics`) a second time under a lower CPU vector ISA: XLA:CPU contracts
-# multiply-adds into FMAs differently with AVX-512 and with AVX2, so an assertion that holds on
-# one ISA only fails in CI instead of on a user's machine.
-NUMERICS = {"test_baselines.py", "test_buckets.py", "test_co3.py", "test_co3_robust.py",
-            "test_comm.py", "test_conformance.py", "test_finite.py", "test_fp.py",
-            "test_gennorm.py", "test_two_hop.py", "test_huffman_jnp.py", "test_kernels.py",
-            "test_loco.py", "test_parallel.py", "test_parallel_2d.py", "test_quant.py",
-            "test_sharding.py"}
-
 
 def pytest_configure(config):
   config.addinivalue_line(
-      "markers", "numerics: floating-point results of compiled programs; scripts/test runs "
-      "these again under a lower CPU vector ISA (conftest.NUMERICS lists the files)")
-
-
-def pytest_collection_modifyitems(config, items):
-  for item in items:
-    if item.path.name in NUMERICS:
-      item.add_marker(pytest.mark.numerics)
+      "markers", "numerics: asserts floating-point results of compiled programs (tolerances, "
+      "references, thresholds); scripts/test runs these again under a lower CPU vector ISA, "
+      "since XLA:CPU contracts multiply-adds into FMAs differently with AVX-512 and AVX2")
+  config.addinivalue_line(
+      "markers", "slow: takes more than a few seconds; `sh scripts/test --quick` leaves it out")
 
 
 @pytest.fixture

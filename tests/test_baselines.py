@@ -95,6 +95,7 @@ def _assert_block_quantized(d, h, bits, block):
   np.testing.assert_allclose(d_BxL, codes / s, rtol=2.0 ** -22, atol=0)
 
 
+@pytest.mark.numerics
 def test_error_feedback_stores_h_minus_d_exactly():
   # Against a float64 reference within float32 rounding, not against int_quantized's program
   # bit for bit: that is another compiled program, whose FMA contraction differs with the CPU's
@@ -114,6 +115,7 @@ def test_error_feedback_stores_h_minus_d_exactly():
     assert np.any(np.asarray(state.error) != 0)
 
 
+@pytest.mark.numerics
 def test_error_feedback_with_beta_keeps_locos_moving_average_in_float32():
   # e' = beta e + (1 - beta)(h - d), against float64 within float32 rounding; bad beta refused.
   beta = 0.8
@@ -132,6 +134,7 @@ def test_error_feedback_with_beta_keeps_locos_moving_average_in_float32():
     baselines.error_feedback(beta=1.0)
 
 
+@pytest.mark.numerics
 def test_ef21_matches_numpy_for_three_steps():
   n, bits = 1024, 4
   opt = baselines.ef21(bits=bits, block_size=256)
@@ -148,6 +151,7 @@ def test_ef21_matches_numpy_for_three_steps():
   assert np.abs(g - grad).mean() < 0.2 * np.abs(grad).mean()  # g tracks the changing gradient
 
 
+@pytest.mark.numerics
 def test_sign_ef_sends_the_mean_magnitude_of_each_block():
   opt = baselines.sign_ef(block_size=BLOCK)
   g = _normal(0, 300)              # 5 blocks of 64, the last with 44 real elements, 20 padding
@@ -175,6 +179,7 @@ def test_topk_keeps_exactly_the_k_largest():
     np.testing.assert_array_equal(np.asarray(state.error[name]), g - sent)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("name", FEEDBACK)
 def test_feedback_loses_nothing(name):
   """sum_k d_k + e_K = sum_k g_k: what is not sent yet is in the error."""
@@ -280,6 +285,7 @@ def _per_device(tree):
 TOLERANCE = {"uncompressed": 1e-6, "bf16": N * 2 ** -9, "topk_ef": 1e-6}
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("name", sorted(METHODS))
 def test_mesh_output_is_the_mean_of_local_decompressions(mesh, name, shard_mapped_update):
   step, state = shard_mapped_update(METHODS[name](axis_name="data"), mesh, MESH_PARAMS)
@@ -334,6 +340,7 @@ WIRE = {
 }
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("name", sorted(WIRE))
 def test_wire_bits_from_the_hlo(mesh, name, shard_mapped_update):
   factory = getattr(baselines, name)   # default block size, 2048
@@ -349,6 +356,7 @@ def test_wire_bits_from_the_hlo(mesh, name, shard_mapped_update):
     assert 0.85 * most < bits[(op, dtype)] <= most + 1e-9, (op, bits)
 
 
+@pytest.mark.numerics
 def test_topk_wire_bits_are_proportional_to_the_fraction(mesh, shard_mapped_update):
   n_params = sum(x.size for x in jax.tree.leaves(WIRE_PARAMS))
   grads = _device_grads(WIRE_PARAMS, 0)

@@ -62,6 +62,7 @@ def test_small_leaves_are_not_padded_to_a_full_block():
              for leaf in p.leaves)
 
 
+@pytest.mark.numerics
 def test_a_second_short_length_is_taken_where_it_saves_bytes():
   sizes = (256, 768, 1024, 65536, 196608)
   # Over 64 devices the big leaves' shards (1024 and 3072 values) are shorter than a block too.
@@ -160,6 +161,7 @@ def _reference_first_step(grads, p, block_size):
       [jnp.asarray(m) for m in mean], p, firsts)]))
 
 
+@pytest.mark.numerics
 def test_mesh_step_averages_every_bucket_through_dequantize_mean(mesh, monkeypatch):
   calls = []
   mean = kernels.dequantize_mean
@@ -179,6 +181,7 @@ def test_mesh_step_averages_every_bucket_through_dequantize_mean(mesh, monkeypat
     assert np.mean(close) > 0.999, (k, np.mean(close))
 
 
+@pytest.mark.numerics
 def test_scatter_gives_each_device_its_per_leaf_shard(mesh):
   opt = loco(axis_name="data", scatter=True, block_size=64)
   step, state = _mesh_step(opt, PARAMS, mesh, out_spec=P("data"))
@@ -193,6 +196,7 @@ def test_scatter_gives_each_device_its_per_leaf_shard(mesh):
                                rtol=2 ** -8, atol=1e-6)
 
 
+@pytest.mark.numerics
 def test_wire_bits_of_a_gpt2_shaped_tree_stay_at_4_plus_16(mesh):
   params = jax.tree.map(jnp.zeros, bench.gpt2_shapes(d_model=64, layers=2),
                         is_leaf=lambda s: isinstance(s, tuple))

@@ -121,6 +121,7 @@ def test_chain_with_adamw_under_jit_and_extra_args(harness):
   assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree.leaves(params))
 
 
+@pytest.mark.numerics
 def test_inject_hyperparams_gives_the_plain_transformations_updates(harness):
   params = _params()
   injected = optax.inject_hyperparams(harness.factory, static_args=harness.static)(
@@ -254,6 +255,7 @@ def test_dtype_in_dtype_out(harness, dtype):
   assert all(o.dtype == dtype for o in jax.tree.leaves(out))
 
 
+@pytest.mark.numerics
 def test_nnx_optimizer(local):
   model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
   optimizer = nnx.Optimizer(model, optax.chain(local.make(), optax.adamw(1e-2)), wrt=nnx.Param)

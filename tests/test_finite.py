@@ -188,6 +188,7 @@ _STEPS = st.lists(st.fixed_dictionaries({k: _magnitude() for k in PARAMS}),
                   min_size=EXTREME_STEPS, max_size=EXTREME_STEPS)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("name", sorted(LOCAL))
 @EXAMPLES
 @given(magnitudes=_STEPS, seed=st.integers(0, 2 ** 16))
@@ -195,6 +196,7 @@ def test_local_transformation_stays_finite(name, magnitudes, seed):
   _run(name, *_local(name), magnitudes, seed, 1)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("name", sorted(MESH) + sorted(TWO_HOP))
 @EXAMPLES
 @given(magnitudes=_STEPS, seed=st.integers(0, 2 ** 16))
@@ -202,6 +204,7 @@ def test_transformation_on_a_mesh_stays_finite(name, magnitudes, seed):
   _run(name, *_mesh(name, "two_hop" if name in TWO_HOP else "mesh"), magnitudes, seed, N)
 
 
+@pytest.mark.numerics
 def test_feedback_errors_drain_instead_of_growing():
   """sign_ef and topk_ef after gradients at the float32 maximum: their error shrinks under
   normal gradients (it never grows, is never inf, and the output stays finite)."""
@@ -233,6 +236,7 @@ def _kernel_steps(bits):
   return reference, fused
 
 
+@pytest.mark.numerics
 @EXAMPLES
 @given(first=_magnitude(), second=_magnitude(), seed=st.integers(0, 2 ** 16),
        bits=st.sampled_from([4, 2]))

@@ -18,6 +18,7 @@ def _wide_range_values(rng: np.random.Generator, size: int, dtype=np.float64) ->
   return (magnitudes * rng.choice([-1.0, 1.0], size)).astype(dtype)
 
 
+@pytest.mark.numerics
 def test_fp4_levels_are_exactly_the_papers():
   np.testing.assert_array_equal(fp.levels(fp.FP4), [0.0, 0.5, 1.0, 1.5, 2.0, 3.0])
   assert fp.FP4.bits == 4 and fp.FP4.bias == 1
@@ -27,6 +28,7 @@ def test_fp4_levels_are_exactly_the_papers():
   assert fp.max_value(fp.FP4) == 3.0
 
 
+@pytest.mark.numerics
 def test_fp8_max_and_smallest_subnormal():
   assert fp.FP8.bias == 15 and fp.FP8.bits == 8
   assert fp.max_value(fp.FP8) == 57344.0
@@ -37,11 +39,13 @@ def test_fp8_max_and_smallest_subnormal():
   assert np.all(np.diff(levels) > 0)
 
 
+@pytest.mark.numerics
 def test_levels_are_a_copy():
   fp.levels(fp.FP4)[1] = 7.0
   assert fp.levels(fp.FP4)[1] == 0.5
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("fmt", FORMATS, ids=str)
 @pytest.mark.parametrize("scale", [1.0, 0.37, 3.0e3])
 def test_quantize_is_the_nearest_level(fmt, scale):
@@ -75,12 +79,14 @@ def test_every_symbol_roundtrips(fmt):
   assert np.all(np.isnan(fp.decode(np.arange(2 ** fmt.bits, 256, dtype=np.uint8), fmt)))
 
 
+@pytest.mark.numerics
 def test_symbol_layout_is_sign_exponent_mantissa():
   # -1.5 in FP8: sign 1, exponent field 15, mantissa 0b10.
   assert int(fp.encode(np.array([-1.5]), fp.FP8)[0]) == (1 << 7) | (15 << 2) | 0b10
   assert int(fp.encode(np.array([-1.5]), fp.FP4)[0]) == (1 << 3) | (1 << 1) | 0b1
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("fmt", [fp.FP4, fp.FP8], ids=str)
 def test_decode_of_encode_is_quantize_bit_for_bit(fmt):
   x = _wide_range_values(np.random.default_rng(1), 50_000, np.float32)
@@ -91,6 +97,7 @@ def test_decode_of_encode_is_quantize_bit_for_bit(fmt):
     np.testing.assert_array_equal(roundtrip.view(np.uint32), quantized.view(np.uint32))
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("fmt", [fp.FP4, fp.FP8], ids=str)
 def test_saturation(fmt):
   top = fp.max_value(fmt)
@@ -105,6 +112,7 @@ def test_saturation(fmt):
   assert fp.quantize(np.float32(65535.0), fp.FP8) == 57344.0
 
 
+@pytest.mark.numerics
 def test_nan_stays_nan_and_never_becomes_a_number():
   x = np.array([1.0, np.nan, -2.0], np.float32)
   assert np.isnan(fp.quantize(x, fp.FP4)[1])
@@ -124,6 +132,7 @@ def test_small_negatives_round_to_positive_zero():
   np.testing.assert_array_equal(fp.encode(x, fp.FP4), [0, 0])
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("fmt", [fp.FP4, fp.FP8], ids=str)
 def test_jit_matches_numpy_bit_for_bit(fmt):
   rng = np.random.default_rng(2)
@@ -150,6 +159,7 @@ def test_jit_matches_numpy_bit_for_bit(fmt):
     np.testing.assert_array_equal(np.asarray(fp.quantize(jnp.asarray(x), fmt, scale)), expected)
 
 
+@pytest.mark.numerics
 def test_output_types():
   assert fp.quantize(np.array([0.3]), fp.FP4).dtype == np.float64
   assert fp.quantize(np.array([1, 2]), fp.FP4).dtype == np.float32
@@ -160,6 +170,7 @@ def test_output_types():
   assert fp.decode(np.array([3], np.uint8), fp.FP8, 2.0).dtype == np.float32
 
 
+@pytest.mark.numerics
 def test_scale_broadcasts_per_row():
   x = _wide_range_values(np.random.default_rng(3), 40, np.float32).reshape(4, 10)
   scales = np.array([[0.5], [1.0], [7.0], [1e-3]], np.float32)
@@ -198,6 +209,7 @@ def test_format_is_hashable_and_static_under_jit():
 # ----------------------------------------------------------------------------- scale range
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("fmt", FORMATS, ids=str)
 def test_scales_outside_the_range_raise(fmt):
   low, high = fp.scale_range(fmt)
@@ -214,6 +226,7 @@ def test_scales_outside_the_range_raise(fmt):
       fp.max_value(fmt) * 1e200, rel=1e-12)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("fmt", FORMATS, ids=str)
 def test_range_ends_dequantize_every_level_to_a_finite_normal(fmt):
   symbols = fp.encode(np.concatenate([fp.levels(fmt), -fp.levels(fmt)[1:]]), fmt)

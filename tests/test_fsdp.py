@@ -69,6 +69,7 @@ def _fsdp_params_as_zero2(state) -> dict:
           "blocks": [jax.tree.map(lambda x: x[i], blocks) for i in range(layers)]}
 
 
+@pytest.mark.numerics
 def test_uncompressed_fsdp_matches_zero2():
   fsdp_losses, fsdp_state = _train("fsdp", parallel.reduce_scatter("data"), 10)
   zero2_losses, zero2_state = _train("zero2", parallel.reduce_scatter("data"), 10)
@@ -81,6 +82,7 @@ def test_uncompressed_fsdp_matches_zero2():
                _fsdp_params_as_zero2(fsdp_state), zero2_state.params)
 
 
+@pytest.mark.numerics
 @pytest.mark.slow  # about 30 s: compiles two 12-layer steps with LoCo
 def test_memory_of_a_12_layer_step_is_at_most_035_of_zero2s():
   config = gpt.GPTConfig(vocab_size=64, seq_len=32, d_model=32, n_layers=12, n_heads=4,
@@ -99,6 +101,7 @@ def test_memory_of_a_12_layer_step_is_at_most_035_of_zero2s():
   assert peak["fsdp"] <= 0.35 * peak["zero2"], peak
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("param_gather,steps", [
     pytest.param("compute", 50, marks=pytest.mark.slow),  # about 20 s
     ("int8", 5)])
@@ -197,6 +200,7 @@ def _mlp_loss(params, batch):
   return jnp.mean((h @ params["w2"] + params["b2"] - batch[:, 16:]) ** 2)
 
 
+@pytest.mark.numerics
 def test_whole_model_fallback_matches_zero2():
   mesh, optimizer = parallel.data_mesh(N), optax.adam(1e-2)
   rng = np.random.default_rng(0)
@@ -296,6 +300,7 @@ def _run_workers(tmp_path, name: str, processes: int, steps: int = 6) -> dict[in
   return {int(k): float(v) for k, v in (line.split() for line in losses.read_text().splitlines())}
 
 
+@pytest.mark.numerics
 @pytest.mark.slow  # two multi-process runs: about a minute
 def test_two_processes_train_like_one(tmp_path):
   one = _run_workers(tmp_path, "one", 1)
@@ -312,6 +317,7 @@ def test_two_processes_train_like_one(tmp_path):
                jax.tree.map(np.asarray, final_one))
 
 
+@pytest.mark.numerics
 def test_nnx_example_layers_compute_the_modules_loss():
   sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
   import fsdp_nnx_example as example

@@ -21,6 +21,7 @@ def _empirical_entropy_bits(symbols: np.ndarray) -> float:
   return float(-np.sum(frequencies * np.log2(frequencies)))
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("beta", BETAS)
 def test_fit_recovers_beta_and_alpha(beta):
   alpha = 3e-3
@@ -31,6 +32,7 @@ def test_fit_recovers_beta_and_alpha(beta):
   assert abs(result.alpha / alpha - 1) < 0.06, result  # alpha's spread is 1.3% at beta 0.4
 
 
+@pytest.mark.numerics
 def test_fit_of_jax_samples_and_estimated_loc():
   x = gennorm.sample(jax.random.key(0), 0.8, 2.0, (100_000,), loc=0.5)
   assert isinstance(x, jax.Array) and x.dtype == jnp.float32
@@ -39,6 +41,7 @@ def test_fit_of_jax_samples_and_estimated_loc():
   assert abs(result.beta / 0.8 - 1) < 0.03 and abs(result.alpha / 2.0 - 1) < 0.05
 
 
+@pytest.mark.numerics
 def test_fixed_beta_gives_the_closed_form_alpha():
   x = gennorm.sample(1, 1.5, 1.0, (10_000,))
   normal = gennorm.fit(x, beta=2.0)
@@ -61,6 +64,7 @@ def test_fit_maximizes_the_likelihood():
     assert log_likelihood(best.beta * db, best.alpha * da) < top
 
 
+@pytest.mark.numerics
 def test_fit_agrees_with_scipy():
   stats = pytest.importorskip("scipy.stats")
   x = gennorm.sample(3, 0.9, 0.1, (20_000,))
@@ -71,6 +75,7 @@ def test_fit_agrees_with_scipy():
           >= np.sum(stats.gennorm.logpdf(x, beta, scale=alpha)) - 1e-6)
 
 
+@pytest.mark.numerics
 def test_fit_keeps_zeros_and_bounds_beta():
   x = gennorm.sample(4, 1.0, 1.0, (10_000,))
   x[:2000] = 0.0  # dead units give exact zeros; the density is finite there
@@ -91,6 +96,7 @@ def test_fit_rejects_bad_beta():
     gennorm.fit(np.array([1.0, -2.0, 3.0]), beta=-1.0)
 
 
+@pytest.mark.numerics
 def test_special_functions_against_scipy():
   special = pytest.importorskip("scipy.special")
   stats = pytest.importorskip("scipy.stats")
@@ -112,6 +118,7 @@ def test_special_functions_against_scipy():
                                stats.gennorm.cdf(x, beta, loc=0.2, scale=1.3), rtol=1e-12)
 
 
+@pytest.mark.numerics
 def test_cdf_and_ppf_known_values():
   # Normal (beta 2, alpha sqrt 2) and Laplace (beta 1) closed forms, no scipy needed.
   assert abs(gennorm.ppf(0.975, 2.0, math.sqrt(2.0)) - 1.959963984540054) < 1e-12
@@ -125,6 +132,7 @@ def test_cdf_and_ppf_known_values():
   assert edges[0] == -np.inf and edges[1] == 0.0 and edges[2] == np.inf and np.isnan(edges[3])
 
 
+@pytest.mark.numerics
 def test_sample_moments():
   beta, alpha = 0.7, 2.0
   expected_abs_mean = alpha * math.exp(math.lgamma(2 / beta) - math.lgamma(1 / beta))
@@ -136,6 +144,7 @@ def test_sample_moments():
     assert abs(np.mean(x > 0) - 0.5) < 0.005
 
 
+@pytest.mark.numerics
 def test_fp4_scale_polynomial():
   assert abs(gennorm.fp4_scale(0.5, 1.0) - 0.054) < 1e-3
   assert abs(gennorm.fp4_scale(1.0, 1.0) - 0.65) < 1e-9
@@ -155,6 +164,7 @@ def test_fp4_scale_is_near_the_mse_optimum():
     assert np.argmin(errors) == 1
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("fmt", [fp.FP4, fp.FP8], ids=["fp4", "fp8"])
 @pytest.mark.parametrize("beta", [0.5, 1.0, 2.0])
 def test_symbol_probabilities_match_encoded_samples(fmt, beta):
@@ -173,6 +183,7 @@ def test_symbol_probabilities_match_encoded_samples(fmt, beta):
              - _empirical_entropy_bits(symbols)) < 0.01
 
 
+@pytest.mark.numerics
 def test_entropy_matches_the_papers_fp4_numbers():
   # CO3 (REFERENCES.md): fp4 entropy at the MSE-optimal scale 1.82, 2.78, 3.25 bits.
   for beta, bits in [(0.5, 1.82), (1.0, 2.78), (2.0, 3.25)]:
@@ -181,6 +192,7 @@ def test_entropy_matches_the_papers_fp4_numbers():
   assert 5.4 < gennorm.entropy_bits(fp.FP8, 1.0, 1.0, 1.0) < 6.3
 
 
+@pytest.mark.numerics
 def test_symbol_probabilities_keep_tail_mass():
   # Far-tail symbols get their small but non-zero mass (a Huffman table needs them).
   # beta 2, alpha 1, scale 0.5: |x| * 0.5 > 2.5 (midway from 2 to 3) has mass erfc(5) ~ 1.5e-12.
@@ -194,6 +206,7 @@ def test_bad_scale_raises():
     gennorm.symbol_probabilities(fp.FP4, 1.0, 1.0, 0.0)
 
 
+@pytest.mark.numerics
 def test_wasserstein_is_zero_for_exact_quantiles():
   n = 1000
   dist = gennorm.GenNormFit(0.8, 1.5, 0.3)
@@ -202,6 +215,7 @@ def test_wasserstein_is_zero_for_exact_quantiles():
   assert gennorm.wasserstein2(x + 0.1, dist) == pytest.approx(0.1, rel=1e-9)
 
 
+@pytest.mark.numerics
 def test_validate_picks_the_right_family():
   rng = np.random.default_rng(10)
   grads = {
@@ -250,6 +264,7 @@ def test_distribution_functions_reject_bad_parameters(params, name):
       call()
 
 
+@pytest.mark.numerics
 def test_fit_rejects_bad_loc_and_unrepresentable_spreads():
   x = np.array([1.0, -2.0, 3.0, 0.5])
   for loc in (float("nan"), float("inf")):
@@ -273,6 +288,7 @@ def test_fp4_scale_rejects_bad_parameters():
       gennorm.fp4_scale(beta, alpha)
 
 
+@pytest.mark.numerics
 @settings(max_examples=60, deadline=None)
 @given(st.floats(-3.0, 3.0), st.floats(-300.0, 300.0), st.floats(-300.0, 300.0),
        st.floats(0.0, 1.0))
@@ -294,6 +310,7 @@ def test_distribution_functions_terminate_and_stay_consistent(log_beta, log_alph
   assert np.all(np.isfinite(probabilities)) and probabilities.sum() == pytest.approx(1.0)
 
 
+@pytest.mark.numerics
 def test_ppf_with_nan_beta_returns_promptly():
   """The tester's hang: ppf(0.7, nan, 1.0) never returned."""
   with pytest.raises(ValueError, match="beta must be"):

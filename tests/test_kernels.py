@@ -66,6 +66,7 @@ def _run_steps(implementation, blocks, block, bits, error_bits, beta, steps=3, *
   assert np.any(error != 0)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("blocks,block,bits,error_bits,beta", [
     (12, BLOCK, 4, 8, 0.8), (16, BLOCK, 2, 6, 0.5), (6, 256, 8, 8, 0.9), (8, 32, 4, 8, 0.0),
@@ -75,16 +76,19 @@ def test_step_matches_the_float64_reference(implementation, blocks, block, bits,
   _run_steps(implementation, blocks, block, bits, error_bits, beta)
 
 
+@pytest.mark.numerics
 def test_jnp_step_of_bit_plane_widths_matches_the_reference():
   _run_steps("jnp", 8, 64, 3, 5, 0.7)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_fixed_scales_match_the_reference(implementation):
   _run_steps(implementation, 4, 256, 4, 8, 0.8, fixed_scale=4.0, fixed_error_scale=64.0)
   _run_steps(implementation, 4, 256, 4, 8, 0.8, fixed_scale=4.0)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("blocks", [16, 18])  # 4 tiles; 5, the last overlapping the one before
 def test_tiled_cpu_path_matches_the_reference(monkeypatch, blocks):
   monkeypatch.setattr(arithmetic, "CPU_TILE_BLOCKS", 4)
@@ -95,6 +99,7 @@ def test_tiled_cpu_path_matches_the_reference(monkeypatch, blocks):
     _jit_step.cache_clear()
 
 
+@pytest.mark.numerics
 def test_tiled_cpu_path_without_decompressed_values_and_with_a_nan(monkeypatch):
   """The mesh path's call (no decompressed output): the outputs overwrite the error in place,
   tile by tile; blocks that two tiles share are judged once; a NaN in them is still seen."""
@@ -116,6 +121,7 @@ def test_tiled_cpu_path_without_decompressed_values_and_with_a_nan(monkeypatch):
   assert not bool(step(g, error, error_scale).finite)
 
 
+@pytest.mark.numerics
 @settings(max_examples=12, deadline=None)
 @given(seed=st.integers(0, 2**16), spread=st.floats(0.0, 6.0), beta=st.floats(0.0, 1.0),
        bits=st.sampled_from([2, 4, 8]), log_block=st.integers(3, 9))
@@ -135,6 +141,7 @@ def test_jnp_step_matches_the_reference_on_any_data(seed, spread, beta, bits, lo
   assert found.passed, found
 
 
+@pytest.mark.numerics
 def test_the_reference_check_catches_wrong_outputs():
   blocks = 4
   g = _gradients(0, blocks)
@@ -178,6 +185,7 @@ def _peer_payloads(peers: int, blocks: int, bits: int = 4, block: int = BLOCK):
   return received, scales, codes
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("peers,block", [(8, BLOCK), (3, BLOCK), (4, 32)])
 def test_dequantize_mean_matches_the_float64_mean(implementation, peers, block):
@@ -191,12 +199,14 @@ def test_dequantize_mean_matches_the_float64_mean(implementation, peers, block):
   assert reference.mean_off(np.asarray(got) * F32(1 + 1e-5) + 1e-30, codes, scales) > 0
 
 
+@pytest.mark.numerics
 def test_dequantize_mean_of_bit_plane_widths_and_many_peers():
   received, scales, codes = _peer_payloads(kernels.UNROLLED_PEERS + 2, 1, bits=3)
   got = jax.jit(lambda r, s: kernels.dequantize_mean(r, s, bits=3))(received, scales)
   assert reference.mean_off(np.asarray(got), codes, scales) == 0
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("bits", [4, 3])
 def test_unrolled_and_looped_means_are_the_same_sums(bits):
   # GPU and TPU unroll the peers, CPU loops over them (inside jax.shard_map too, where the
@@ -248,6 +258,7 @@ def test_non_finite_gradient_is_reported(implementation, bad):
   assert not bool(out.finite)
 
 
+@pytest.mark.numerics
 def test_auto_is_jnp_on_cpu_and_the_pallas_check_passes_in_interpret_mode():
   assert kernels.chosen_implementation() == "jnp"
   if pallas.pl is not None:
@@ -256,6 +267,7 @@ def test_auto_is_jnp_on_cpu_and_the_pallas_check_passes_in_interpret_mode():
   assert kernels.pallas_report("gpu").startswith("error: asked about 'gpu'")
 
 
+@pytest.mark.numerics
 def test_auto_takes_pallas_where_it_runs_and_passes_the_check(monkeypatch):
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
   monkeypatch.setattr(pallas, "pl", pallas.pl or object())
@@ -268,6 +280,7 @@ def test_auto_takes_pallas_where_it_runs_and_passes_the_check(monkeypatch):
   assert kernels.chosen_implementation(block_size=kernels.GPU_MIN_BLOCK // 2) == "jnp"
 
 
+@pytest.mark.numerics
 def test_a_kernel_that_rounds_wrongly_fails_the_check(monkeypatch):
   # What keeps `auto` off a broken kernel: the same check, on an implementation that rounds
   # half away from zero... and off by one step at every .4.
@@ -348,6 +361,7 @@ def _near_max_gradients(seed: int, block: int) -> np.ndarray:
   return g.astype(F32).reshape(-1)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("implementation, bits, error_bits, beta", [
     ("jnp", 2, 8, 0.8), ("jnp", 3, 8, 0.8), ("jnp", 2, 2, 0.0), ("jnp", 1, 8, 0.8),
     *[(impl, 2, e, b) for impl in IMPLEMENTATIONS[1:] for e, b in ((8, 0.8), (2, 0.0))]])
@@ -374,6 +388,7 @@ def test_steps_near_the_float32_maximum_match_the_reference(implementation, bits
     assert np.any((error_scale > 0) & (error_scale < quant.TINY))  # the case was reached
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_dequantize_mean_of_subnormal_scales(implementation):
   """Peers' scales in [2**-128, 2**-126): their q / s reach the float32 maximum (and beyond it,

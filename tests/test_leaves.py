@@ -22,6 +22,7 @@ def _trees(draw):
           for i, (s, d) in enumerate(zip(shapes, dtypes))}
 
 
+@pytest.mark.numerics
 @settings(max_examples=25, deadline=None)
 @given(_trees())
 def test_split_chooses_float_leaves_with_elements_and_outputs_restore_them(tree):

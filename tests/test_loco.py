@@ -73,6 +73,7 @@ class NumpyLoco:
     _assert_codes(f64(new_error).reshape(y.shape), y, self.eb, tol)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("scale,error_scale", [(64.0, 256.0), (None, None), (64.0, None)])
 def test_matches_numpy_reference(scale, error_scale):
   n, steps = 4096, 9
@@ -93,6 +94,7 @@ def test_matches_numpy_reference(scale, error_scale):
   assert np.any(np.asarray(state.error[""][0]) != 0)
 
 
+@pytest.mark.numerics
 def test_leaves_are_compressed_per_bucket_not_per_leaf(monkeypatch):
   calls = []
   compress_step = kernels.compress_step
@@ -144,6 +146,7 @@ def _drift(beta, steps, seed=0):
   return float(jnp.abs(drift).mean())
 
 
+@pytest.mark.numerics
 def test_feedback_keeps_drift_bounded_while_plain_rounding_drifts_linearly():
   # beta = 1 never updates the error: plain 4-bit rounding without feedback.
   no_feedback = [_drift(1.0, k) for k in (100, 400)]
@@ -168,6 +171,7 @@ def test_reset_zeroes_the_error_before_the_step():
                                 np.asarray(after_fresh.error[""][0]))
 
 
+@pytest.mark.numerics
 def test_vanishing_and_zero_blocks_stay_finite_and_go_to_zero():
   n = 4096
   opt = loco(bits=4, block_size=512, reset_interval=0, beta=0.8)
@@ -210,6 +214,7 @@ def test_apply_if_finite_skips_the_step_and_keeps_the_error():
   assert int(after.total_notfinite) == 1
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
 def test_keeps_dtype(dtype):
   g = jnp.linspace(-1, 1, 300).astype(dtype)
@@ -219,6 +224,7 @@ def test_keeps_dtype(dtype):
   np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(g, np.float32), atol=0.08)
 
 
+@pytest.mark.numerics
 def test_non_float_scalar_and_empty_leaves():
   params = {"int": jnp.arange(3), "scalar": jnp.float32(0.0), "empty": jnp.zeros((0, 4)),
             "w": jnp.zeros((5, 3))}
@@ -255,6 +261,7 @@ def test_unbound_axis_names_the_axis():
     opt.update(jnp.ones(8), opt.init(jnp.ones(8)))
 
 
+@pytest.mark.numerics
 def test_state_costs_about_one_byte_per_parameter():
   params = {"w": jnp.zeros((512, 512)), "b": jnp.zeros(512), "e": jnp.zeros((1000, 64))}
   n = sum(x.size for x in jax.tree.leaves(params))

@@ -67,6 +67,7 @@ def test_baselines_and_kernel_reject_bad_scale_options(make):
     make()
 
 
+@pytest.mark.numerics
 def test_defaults_by_bit_width_table():
   assert loco_settings.defaults_for(2) == dict(scale_method="rms", clip_rms=1.5, block_size=128,
                                              beta=0.8, error_bits=8)
@@ -110,6 +111,7 @@ def test_none_arguments_are_the_width_defaults(bits, explicit):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.numerics
 def test_two_bit_default_is_not_the_papers_recipe():
   rng = np.random.default_rng(7)
   grads = {"w": jnp.asarray(rng.standard_normal((64, 48)), jnp.float32)}
@@ -123,6 +125,7 @@ def test_two_bit_default_is_not_the_papers_recipe():
 
 # --- The scale against an independent numpy reference -----------------------------------------
 
+@pytest.mark.numerics
 @settings(max_examples=30, deadline=None)
 @given(bits=st.sampled_from([1, 2, 3, 4, 8]), clip_rms=st.floats(0.5, 6.0),
        seed=st.integers(0, 2 ** 16), tail=st.floats(0.0, 3.0),
@@ -144,6 +147,7 @@ def test_rms_scale_matches_numpy(bits, clip_rms, seed, tail, magnitude):
                              want, rtol=1e-12)
 
 
+@pytest.mark.numerics
 def test_rms_scale_does_not_overflow_near_the_float32_maximum():
   x = jnp.stack([jnp.full((16,), 1e37, jnp.float32).at[0].set(-1e37),
                  jnp.full((16,), 3e38, jnp.float32).at[0].set(-3e38)])
@@ -153,6 +157,7 @@ def test_rms_scale_does_not_overflow_near_the_float32_maximum():
   assert float(s[1]) == pytest.approx(1 / 3e38, rel=2.0 ** -21) and float(s[1]) < quant.TINY
 
 
+@pytest.mark.numerics
 def test_error_feedback_with_rms_scale_quantizes_as_numpy():
   rng = np.random.default_rng(3)
   g = jnp.asarray(rng.standard_normal(4 * 128), jnp.float32)
@@ -167,6 +172,7 @@ def test_error_feedback_with_rms_scale_quantizes_as_numpy():
 
 # --- The fused kernel against the float64 reference -------------------------------------------
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("implementation, bits, clip_rms, block_size, extra", [
     ("jnp", 2, 1.5, 128, {}),
     ("jnp", 3, 3.0, 256, {}),
@@ -180,6 +186,7 @@ def test_compress_step_with_rms_scale_passes_the_reference(implementation, bits,
   assert report == "pass", report
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("implementation", ["jnp", "pallas"])
 def test_rms_scale_in_the_kernel_near_the_float32_maximum(implementation):
   rng = np.random.default_rng(5)
@@ -199,6 +206,7 @@ def test_rms_scale_in_the_kernel_near_the_float32_maximum(implementation):
   assert found.passed, found
 
 
+@pytest.mark.numerics
 def test_reference_rejects_absmax_scales_where_rms_was_asked():
   rng = np.random.default_rng(1)
   g = rng.standard_normal((4, 128)).astype(np.float32)
@@ -220,6 +228,7 @@ def test_reference_rejects_absmax_scales_where_rms_was_asked():
 PARAMS = {"w": jnp.zeros((32, 128)), "v": jnp.zeros((N * 256,))}
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("bits", [2, 3])
 def test_mesh_round_trip_with_the_new_defaults(mesh, bits):
   d = loco_settings.defaults_for(bits)
@@ -300,6 +309,7 @@ def _extreme_loco(bits, scale_method, clip_rms, **kwargs):
               block_size=EXTREME_BLOCK, **kwargs)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("bits, scale_method, clip_rms", WIDTHS)
 def test_gradients_near_the_maximum_come_out_whole_in_local_mode(bits, scale_method, clip_rms):
   """The scale qmax / max|h| is subnormal above qmax * 2**126: floored at 2**-126 it capped a
@@ -312,6 +322,7 @@ def test_gradients_near_the_maximum_come_out_whole_in_local_mode(bits, scale_met
     np.testing.assert_allclose(np.asarray(out["w"]), np.asarray(grads["w"]), rtol=2.0 ** -20)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("bits, scale_method, clip_rms", WIDTHS)
 def test_gradients_near_the_maximum_come_out_whole_through_the_mesh_mean(mesh, bits,
                                                                           scale_method, clip_rms):

@@ -53,6 +53,7 @@ def test_gpt_output_shape_and_dtype(tiny):
   assert short.shape == (2, 5, 256)
 
 
+@pytest.mark.numerics
 def test_gpt_is_causal(tiny):
   _, _, params, forward, _ = tiny
   tokens = _tokens((2, 16))
@@ -77,6 +78,7 @@ def test_gpt_default_param_count():
   assert n == expected
 
 
+@pytest.mark.numerics
 def test_gpt_initial_loss_and_functional_form_match_module(tiny):
   model, _, params, _, loss = tiny
   batch = _tokens((8, 17))
@@ -93,12 +95,14 @@ def test_gpt_same_init_for_same_rngs(tiny):
   assert not np.array_equal(params["head"]["kernel"], other["head"]["kernel"])
 
 
+@pytest.mark.numerics
 def test_gpt_adamw_reduces_loss_on_repeated_batch(tiny):
   _, graphdef, params, _, _ = tiny
   losses = _train(graphdef, params, _tokens((4, 17)), gpt.apply_loss, steps=30, lr=3e-3)
   assert losses[-1] < 0.6 * losses[0], losses
 
 
+@pytest.mark.numerics
 def test_gpt_grads_under_shard_map_match_full_batch(tiny):
   # Params are cast to "varying" so jax.grad returns each device's local gradient; on
   # replicated (P()) params the transpose of shard_map would already psum the gradient.
@@ -135,6 +139,7 @@ def test_gpt_rejects_bad_config_and_input(tiny):
     gpt.loss_fn(model, _tokens((4,)))
 
 
+@pytest.mark.numerics
 def test_teacher_student_data():
   x, y = teacher_student_data(jax.random.key(1), 512, 8, 3, 16)
   assert x.shape == (512, 8) and x.dtype == jnp.float32
@@ -151,6 +156,7 @@ def test_teacher_student_data():
     teacher_student_data(jax.random.key(0), 50, 8, 3, 0)
 
 
+@pytest.mark.numerics
 def test_mlp_shapes_and_functional_form():
   assert num_params(nnx.eval_shape(lambda: MLP(8, [32, 16], 3))) == \
       8 * 32 + 32 + 32 * 16 + 16 + 16 * 3 + 3
@@ -164,6 +170,7 @@ def test_mlp_shapes_and_functional_form():
     MLP(8, 0, 3)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("task", ["regression", "classification"])
 def test_mlp_learns_teacher(task):
   x, y = teacher_student_data(jax.random.key(1), 512, 8, 3, 16, task=task)

@@ -50,6 +50,7 @@ def _train(mode, compressor, optimizer=None, steps=30, **kwargs):
   return losses, state, step
 
 
+@pytest.mark.numerics
 def test_ddp_and_zero2_uncompressed_agree():
   ddp, _, _ = _train("ddp", _mean())
   zero2, _, _ = _train("zero2", parallel.reduce_scatter("data"))
@@ -57,6 +58,7 @@ def test_ddp_and_zero2_uncompressed_agree():
   assert ddp[-1] < 0.5 * ddp[0]
 
 
+@pytest.mark.numerics
 def test_zero2_with_loco_trains_like_uncompressed():
   plain, _, _ = _train("zero2", parallel.reduce_scatter("data"))
   compressed, _, _ = _train("zero2", loco(axis_name="data", scatter=True))
@@ -66,6 +68,7 @@ def test_zero2_with_loco_trains_like_uncompressed():
   assert abs(int8_gather[-1] - plain[-1]) < 0.1 * plain[0]
 
 
+@pytest.mark.numerics
 def test_zero2_optimizer_state_is_a_shard_of_ddps():
   per_device = lambda tree, split: sum(
       x.nbytes / (N if split else 1) for x in jax.tree.leaves(tree))
@@ -128,6 +131,7 @@ def _ndim_mask(params):
   return jax.tree.map(lambda x: x.ndim > 1, params)
 
 
+@pytest.mark.numerics
 def test_zero2_evaluates_a_callable_mask_on_the_full_shapes_like_ddp():
   # optax evaluates the mask on what it is given: zero2's flat master shards have ndim 1, so
   # without masks.evaluate_on_full_shapes decay would be off for every leaf.
@@ -143,6 +147,7 @@ def test_zero2_evaluates_a_callable_mask_on_the_full_shapes_like_ddp():
   assert ratio < 0.95, ratio
 
 
+@pytest.mark.numerics
 def test_zero2_clips_by_the_global_norm_of_the_whole_gradient_like_ddp():
   # zero2's optimizer runs under GSPMD on the global master shards: the norm is the whole
   # gradient's, not one device's shard's (which would clip each shard by a different factor).
@@ -177,6 +182,7 @@ def test_masks_see_full_shapes_through_inject_hyperparams_and_multi_transform():
   assert set(seen) == {x.shape for x in jax.tree.leaves(shards)}
 
 
+@pytest.mark.numerics
 def test_compute_dtype_applies_in_ddp():
   _, state, step = _train("ddp", _mean(), steps=1, compute_dtype=jnp.bfloat16)
   _, _, step32 = _train("ddp", _mean(), steps=1)

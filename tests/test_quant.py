@@ -48,6 +48,7 @@ def test_check_bits(bits):
     quant.check_bits(bits)
 
 
+@pytest.mark.numerics
 def test_absmax_scale_zero_vanishing_and_nonfinite_blocks_give_zero():
   blocks = jnp.array([[0.0, 0.0], [1e-40, -1e-39], [3.0, -1.5], [jnp.inf, 1.0], [jnp.nan, 1.0]])
   s = quant.absmax_scale(blocks, 4)
@@ -57,6 +58,7 @@ def test_absmax_scale_zero_vanishing_and_nonfinite_blocks_give_zero():
   np.testing.assert_array_equal(np.asarray(d[:2]), 0)
 
 
+@pytest.mark.numerics
 def test_one_bit_scale_is_finite():
   s = quant.absmax_scale(jnp.array([[2.0, -1.0]]), 1)
   assert float(s[0]) == 0.5
@@ -68,6 +70,7 @@ F32_MAX = float(np.finfo(np.float32).max)
 NEAR_MAX = [1e38, 2e38, 3e38, F32_MAX]
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("bits", [1, 2, 3])
 def test_block_scales_of_blocks_near_the_maximum_are_the_float32_nearest_qmax_over_top(bits):
   """qmax / max|x| is subnormal there (below 2**-126 = quant.TINY): it is kept, to float32's
@@ -84,6 +87,7 @@ def test_block_scales_of_blocks_near_the_maximum_are_the_float32_nearest_qmax_ov
     assert np.all((got > 0) & (got < quant.TINY) | (want >= quant.TINY)), method
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("bits", [1, 2, 3])
 def test_compress_and_decompress_with_subnormal_scales(bits):
   x = np.array([[v, -v, v / 3, 0.0] for v in NEAR_MAX], np.float32)
@@ -99,6 +103,7 @@ def test_compress_and_decompress_with_subnormal_scales(bits):
     np.testing.assert_allclose(d[:, 0], NEAR_MAX, rtol=2.0 ** -20)
 
 
+@pytest.mark.numerics
 def test_decompress_takes_any_scale_from_the_wire():
   """A peer's scale is untrusted: subnormal ones decompress (saturated), non-positive and
   non-finite ones give 0, never NaN or inf."""

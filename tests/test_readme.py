@@ -7,6 +7,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 # What the zero2 block takes from the reader's own program.
@@ -22,6 +23,7 @@ def _blocks(section: str, end: str) -> list[str]:
   return re.findall(r"```python\n(.*?)```", text, re.S)
 
 
+@pytest.mark.numerics
 def test_the_loco_recipes_run_as_written():
   blocks = _blocks("## LoCo as an optax transformation", "### Fully sharded")
   assert len(blocks) == 4, "the optax chain, the 1-D mesh, zero2, the (data, model) mesh"

@@ -93,6 +93,7 @@ def _over(found, group_size):
   return sorted((c.op, c.dtype, c.nbytes) for c in found if c.group_size == group_size)
 
 
+@pytest.mark.numerics
 def test_model_sharded_leaves_add_no_collective_over_model():
   told, fp32 = _step("told")[0], _step("fp32")[0]
   # The model's own collectives over 'model', plus the 4-byte keep-or-skip flag: no gather.
@@ -136,6 +137,7 @@ def _data_bytes(found):
   return sum(c.sent_bytes for c in found if c.group_size == DATA)
 
 
+@pytest.mark.numerics
 def test_bytes_over_data_scale_with_the_local_shard():
   ratio = _data_bytes(_step("told")[0]) / _data_bytes(_step("1d")[0])
   assert 0.45 < ratio < 0.55, ratio  # half the values and scales; flags do not halve
@@ -154,6 +156,7 @@ def _per_device_grads():
                    for xb, yb in zip(np.split(x, DATA), np.split(y, DATA))])
 
 
+@pytest.mark.numerics
 def test_model_sharded_results_match_the_data_mesh_within_rounding():
   per_device = _per_device_grads()
   exact, bound = per_device.mean(0), _quantization_bound(per_device)
@@ -253,6 +256,7 @@ def _types(tree):
   return jax.tree.map(lambda x: (str(jax.typeof(x)), jax.typeof(x).sharding.spec), tree)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("name", sorted(LOCAL))
 def test_explicit_sharding_state_types_match_and_no_gather(name):
   mesh = _mesh(("data", DATA), ("model", MODEL), kind=AxisType.Explicit)
@@ -282,6 +286,7 @@ def test_explicit_sharding_state_types_match_and_no_gather(name):
       assert np.allclose(o, g, atol=np.max(np.abs(g)) / 7 * 0.5 + 1e-3 * np.abs(g).max())
 
 
+@pytest.mark.numerics
 def test_two_hop_on_an_explicit_model_axis():
   """two_hop (where it applies: inside a shard_map over its two data axes) on leaves that an
   Explicit 'model' axis shards: the state keeps its sharding, nothing is gathered over it."""

@@ -28,6 +28,7 @@ def step_of(shard_mapped_update):
   return lambda opt: shard_mapped_update(opt, parallel.node_mesh(NODES, LOCAL), PARAMS, AXES)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("intra,gather", [("reduce_scatter", "bf16"), ("loco", "bf16"),
                                           ("reduce_scatter", "quantized")])
 def test_two_hops_track_the_mean(intra, gather, step_of):
@@ -43,6 +44,7 @@ def test_two_hops_track_the_mean(intra, gather, step_of):
   assert int(state.count) == 6
 
 
+@pytest.mark.numerics
 def test_wire_bytes_per_hop(step_of):
   report = {}
   for intra in ("reduce_scatter", "loco"):
@@ -60,6 +62,7 @@ def test_wire_bytes_per_hop(step_of):
   assert ("reduce-scatter", "intra") not in report["loco"]
 
 
+@pytest.mark.numerics
 def test_a_quantized_gather_carries_bits_across_nodes_not_16(step_of):
   across = {}
   for gather in ("bf16", "quantized"):
