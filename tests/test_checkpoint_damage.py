@@ -145,11 +145,12 @@ def test_any_changed_byte_is_caught(pristine, data):
 
 
 def _reseal(step_dir: Path) -> None:
-  """Rewrites the marker to match the files as they are now (a damage the digests miss)."""
+  """Rewrites the marker to match the files as they are now, as save writes it (a damage the
+  digests miss)."""
   marker = step_dir / checkpoint.COMMIT
   commit = json.loads(marker.read_text())
   commit["files"] = files.digests(step_dir, exclude=(checkpoint.COMMIT,))
-  marker.write_text(json.dumps(commit))
+  marker.write_text(json.dumps(commit, indent=2) + "\n")
 
 
 @pytest.mark.parametrize("damage", ["empty", "truncate", "garbage"])
