@@ -2,7 +2,9 @@
 imported), the names the public API's docstring examples use, the `numerics` and `slow` markers, and
 Python's SIGINT handler for the tests that send themselves Ctrl-C."""
 import os
+import shutil
 import signal
+import tempfile
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
@@ -19,12 +21,24 @@ collect_ignore = ["tests/mp_worker.py", "tests/train_worker.py", "loco_jax/__mai
 
 
 def pytest_configure(config):
+  # Tests build the same steps again and again (fresh closures over the same shapes, which
+  # jax's in-memory cache does not match): a compilation cache of this session's own, keyed by
+  # the programs' HLO, compiles each once. This process only: subprocesses compile their own.
+  import jax
+  config.loco_jax_compile_cache = tempfile.mkdtemp(prefix="loco_jax_xla_cache_")
+  jax.config.update("jax_compilation_cache_dir", config.loco_jax_compile_cache)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
   config.addinivalue_line(
       "markers", "numerics: asserts floating-point results of compiled programs (tolerances, "
       "references, thresholds); scripts/test runs these again under a lower CPU vector ISA, "
       "since XLA:CPU contracts multiply-adds into FMAs differently with AVX-512 and AVX2")
   config.addinivalue_line(
       "markers", "slow: takes more than a few seconds; `sh scripts/test --quick` leaves it out")
+
+
+def pytest_unconfigure(config):
+  shutil.rmtree(getattr(config, "loco_jax_compile_cache", ""), ignore_errors=True)
 
 
 @pytest.fixture

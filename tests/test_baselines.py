@@ -62,6 +62,7 @@ def test_uncompressed_is_the_identity_and_bf16_rounds():
   _assert_tree_equal((out["i"], out["z"]), (grads["i"], grads["z"]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bits", [3, 4])
 def test_int_quantized_is_loco_without_feedback(bits):
   params = {"w": jnp.zeros((33, 70)), "s": jnp.zeros(())}
@@ -285,6 +286,7 @@ def _per_device(tree):
 TOLERANCE = {"uncompressed": 1e-6, "bf16": N * 2 ** -9, "topk_ef": 1e-6}
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 @pytest.mark.parametrize("name", sorted(METHODS))
 def test_mesh_output_is_the_mean_of_local_decompressions(mesh, name, shard_mapped_update):

@@ -12,6 +12,7 @@ from loco_jax.apps import bench
 REQUIRED_KEYS = {"name", "value", "unit", "backend", "n_params"}
 
 
+@pytest.mark.slow
 def test_quick_run_writes_every_part_atomically(tmp_path, monkeypatch, capsys):
   path = tmp_path / "out" / "bench.json"
   replaced = []
@@ -65,6 +66,7 @@ def test_quick_run_writes_every_part_atomically(tmp_path, monkeypatch, capsys):
   assert "| loco_over_adamw |" in out and "## Cost model" in out
 
 
+@pytest.mark.slow
 def test_every_timed_step_keeps_its_donated_state_in_place():
   # jax gives a donated buffer to the first output of its shape and dtype: a step that returned
   # its update first would hand adamw's mu to the update and time a copy (2x adamw's step).
@@ -125,6 +127,7 @@ def test_cli_dispatches_bench(capsys):
   assert "--n-params" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_wire_bits_run_in_a_subprocess_where_this_process_has_fewer_devices(monkeypatch):
   """A process with fewer than 8 devices (a GPU machine) gets the wire bits from a CPU
   subprocess: the same records as in process."""

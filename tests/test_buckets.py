@@ -23,6 +23,7 @@ N = 8
 SIZES = st.lists(st.one_of(st.integers(0, 40), st.integers(0, 5000)), min_size=1, max_size=10)
 
 
+@pytest.mark.slow
 @settings(max_examples=200, deadline=None)
 @given(sizes=SIZES, rows=st.sampled_from([1, 2, 3, 8]),
        block_size=st.sampled_from([8, 64, 100, 2048]))
@@ -89,6 +90,7 @@ def _scales_in_buckets(per_leaf: list, p: buckets.Plan) -> list[jax.Array]:
   return [jnp.asarray(b) for b in out]
 
 
+@pytest.mark.slow
 @settings(max_examples=5, deadline=None)
 @given(sizes=SIZES.filter(any), rows=st.sampled_from([1, 3, 8]), seed=st.integers(0, 99))
 def test_buckets_round_trip_and_rows_are_the_per_leaf_shards(sizes, rows, seed):
@@ -161,6 +163,7 @@ def _reference_first_step(grads, p, block_size):
       [jnp.asarray(m) for m in mean], p, firsts)]))
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_mesh_step_averages_every_bucket_through_dequantize_mean(mesh, monkeypatch):
   calls = []
@@ -181,6 +184,7 @@ def test_mesh_step_averages_every_bucket_through_dequantize_mean(mesh, monkeypat
     assert np.mean(close) > 0.999, (k, np.mean(close))
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_scatter_gives_each_device_its_per_leaf_shard(mesh):
   opt = loco(axis_name="data", scatter=True, block_size=64)
@@ -196,6 +200,7 @@ def test_scatter_gives_each_device_its_per_leaf_shard(mesh):
                                rtol=2 ** -8, atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_wire_bits_of_a_gpt2_shaped_tree_stay_at_4_plus_16(mesh):
   params = jax.tree.map(jnp.zeros, bench.gpt2_shapes(d_model=64, layers=2),
@@ -219,6 +224,7 @@ def _distinct_fusions(hlo: str) -> int:
   return len({hashlib.sha1(strip(b).encode()).hexdigest() for b in bodies})
 
 
+@pytest.mark.slow
 def test_compiled_kernels_do_not_grow_with_the_leaf_count():
   def distinct(layers):
     params = jax.tree.map(jnp.zeros, bench.gpt2_shapes(d_model=32, layers=layers),

@@ -132,6 +132,7 @@ def uninterrupted(tmp_path_factory, cache) -> tuple[dict[int, str], Path]:
   return _read_losses(losses), tmp / "ckpt"
 
 
+@pytest.mark.slow
 def test_sigkill_then_resume_continues_bit_for_bit(uninterrupted, tmp_path, cache):
   a, a_dir = uninterrupted
   assert sorted(a) == list(range(1, STEPS + 1))
@@ -187,6 +188,7 @@ def _bytes_under(path: Path) -> int:
   return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
+@pytest.mark.slow
 def test_kill_during_save_leaves_previous_checkpoint(tmp_path, cache):
   """SIGKILL while 128 MiB of random floats are being written: step 1 stays the checkpoint."""
   ckpt, log, n = tmp_path / "ckpt", tmp_path / "saver.log", 2**23  # 4 leaves x 32 MiB
@@ -210,6 +212,7 @@ def test_kill_during_save_leaves_previous_checkpoint(tmp_path, cache):
   assert step == 2 and all(np.asarray(x).min() == 1 for x in state.values())
 
 
+@pytest.mark.slow
 def test_round_trip_ddp_and_zero2_and_keep(tmp_path):
   for mode in ("ddp", "zero2"):
     state, step_fn, config = train_worker.build(mode, 32, parallel.data_mesh(8))
@@ -230,6 +233,7 @@ def test_round_trip_ddp_and_zero2_and_keep(tmp_path):
   assert meta["tree"][".params['w1']"] == [[16 * 32 // 8 * 8], "float32", ["data"]]
 
 
+@pytest.mark.slow
 def test_mismatches_raise_and_touch_nothing(tmp_path):
   ckpt = tmp_path / "ckpt"
   state, config = _state_on_8()

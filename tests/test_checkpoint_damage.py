@@ -153,6 +153,7 @@ def _reseal(step_dir: Path) -> None:
   marker.write_text(json.dumps(commit, indent=2) + "\n")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["empty", "truncate", "garbage"])
 def test_damage_behind_a_matching_marker_is_still_an_error(pristine, tmp_path, damage,
                                                            monkeypatch):

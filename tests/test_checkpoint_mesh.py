@@ -58,6 +58,7 @@ def _shapes(state):
   return [x.shape for x in jax.tree.leaves(state)]
 
 
+@pytest.mark.slow
 def test_another_mesh_is_refused_naming_both(tmp_path):
   saved, _, _ = _trained(_mesh(4, 2), COLUMNS)
   checkpoint.save(tmp_path, 1, saved, CONFIG)
@@ -73,6 +74,7 @@ def test_another_mesh_is_refused_naming_both(tmp_path):
   assert meta["tree"][".params['w1']"] == [[16 * HIDDEN], "float32", [["data", "model"]]]
 
 
+@pytest.mark.slow
 def test_the_same_mesh_restores_bit_for_bit_and_trains_on(tmp_path):
   saved, step, _ = _trained(_mesh(4, 2), COLUMNS)
   checkpoint.save(tmp_path, 1, saved, CONFIG)
@@ -143,6 +145,7 @@ def _as_format_2(step_dir) -> None:
   marker.write_text(json.dumps(commit))
 
 
+@pytest.mark.slow
 def test_format_2_restores_from_one_device_only(tmp_path):
   one = {"w": jnp.arange(4.0), "count": jnp.asarray(3, jnp.int32)}
   checkpoint.save(tmp_path / "one", 2, one, {"model": "mlp"})

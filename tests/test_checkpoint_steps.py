@@ -41,6 +41,7 @@ def _complete(directory: Path) -> list[int]:
                 if p.name.isdigit() and (p / checkpoint.COMMIT).is_file())
 
 
+@pytest.mark.slow
 def test_keep_counts_complete_checkpoints_only(tmp_path):
   for step in (1, 2):
     _save(tmp_path, step)

@@ -28,6 +28,7 @@ def _np_step(g, e, scale, gamma, fmt):
   return q, a - q
 
 
+@pytest.mark.slow
 def test_local_semantics_and_lossless_codec():
   coded, raw = co3("fp4", gamma=0.7, refit_interval=3), co3("fp4", gamma=0.7, refit_interval=3,
                                                              entropy_code=False)
@@ -51,6 +52,7 @@ def test_local_semantics_and_lossless_codec():
   assert scales[0] == pytest.approx(gennorm.fp4_scale(fit.beta, fit.alpha), rel=0.05)
 
 
+@pytest.mark.slow
 def test_fp8_codes_more_bits_with_less_error():
   g = _grads(0)
   errs, bits = {}, {}
@@ -62,6 +64,7 @@ def test_fp8_codes_more_bits_with_less_error():
   assert errs["fp8"] < errs["fp4"] / 4 and bits["fp4"] < bits["fp8"] < 8
 
 
+@pytest.mark.slow
 def test_non_finite_keeps_state():
   opt = co3()
   state = opt.init(PARAMS)
@@ -92,6 +95,7 @@ def _mesh_step(opt):
   return step, state
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("capacity_bits", [None, 0.5])
 def test_mesh_average_of_decoded_symbols(capacity_bits):
   """Every device's coded symbols are decoded and averaged. The default capacity runs the

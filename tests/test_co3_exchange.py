@@ -88,6 +88,7 @@ def test_coded_all_to_all_delivers_every_row_exactly():
 # ----------------------------------------------------------------------------- the mean
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [1, 2, 8])
 def test_mean_over_1_2_8_devices_and_a_leaf_smaller_than_the_axis(n):
   grads, sent = _grads(n, n), None
@@ -102,6 +103,7 @@ def test_mean_over_1_2_8_devices_and_a_leaf_smaller_than_the_axis(n):
   assert bits.shape == (n,) and np.all((bits > 1) & (bits < 4))
 
 
+@pytest.mark.slow
 def test_all_gather_and_coded_gather_means():
   grads = _grads(5, 8)
   sent = _sent(grads, 8)
@@ -136,6 +138,7 @@ def per_shard():
   return _step(co3("fp4", axis_name="data", exchange="all_to_all"), 8)
 
 
+@pytest.mark.slow
 def test_one_overflowing_slot_sends_the_step_raw_on_every_device(per_shard):
   step, state = per_shard
   grads = _grads(7, 8)
@@ -199,6 +202,7 @@ def test_a_hostile_peer_stream_makes_every_device_skip(per_shard, kind):
   assert all(np.all(np.isfinite(np.asarray(v))) for v in jax.tree.leaves(good))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("exchange_kw", [dict(gather="coded"), dict(exchange="all_gather")])
 def test_a_corrupt_gathered_stream_makes_every_device_skip(exchange_kw):
   step, state = _step(co3("fp4", axis_name="data", **exchange_kw), 8)

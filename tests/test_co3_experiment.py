@@ -36,6 +36,7 @@ def quick_run(tmp_path_factory):
   return experiment, status, out
 
 
+@pytest.mark.slow
 def test_outputs_exist(quick_run):
   _, status, out = quick_run
   assert status == 0
@@ -49,6 +50,7 @@ def test_outputs_exist(quick_run):
   assert all(m in table for m in ("| sgd |", "| co3-fp4 |", "| co3-fp8 |"))
 
 
+@pytest.mark.slow
 def test_results_keys_and_values(quick_run):
   experiment, _, out = quick_run
   results = json.loads((out / "results.json").read_text())

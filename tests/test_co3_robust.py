@@ -42,6 +42,7 @@ def test_a_peer_stream_of_another_symbol_count_is_refused(coded):
 # ----------------------------------------------------------------------------- scalars
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["fp4", "fp8"])
 def test_scalars_and_single_value_leaves_track_the_gradient(fmt):
   """The tester's case: a scalar 50 came out 3.0 every step and 1e-3 came out 0.0."""
@@ -81,6 +82,7 @@ def _params(dtype):
   return {"w": jnp.zeros((8, 32), dtype), "s": jnp.zeros((), dtype)}
 
 
+@pytest.mark.slow
 @settings(max_examples=40, deadline=None)
 @given(st.sampled_from(["fp4", "fp8"]), st.sampled_from(sorted(DTYPES)), st.floats(0.0, 1.0),
        st.integers(0, 2**31))
@@ -131,6 +133,7 @@ def test_gradients_at_the_dtype_maximum_saturate(fmt, dtype_name):
     assert np.sign(np.asarray(out["w"][0], np.float64)).tolist() == [-1.0] * 32
 
 
+@pytest.mark.slow
 def test_fp8_scale_of_huge_data_does_not_underflow():
   """The tester's case: fp8 on N(0, 1) * 7e37 got scale 1/alpha ~ 1e-38, flushed to 0: NaN."""
   opt = co3("fp8")
@@ -143,6 +146,7 @@ def test_fp8_scale_of_huge_data_does_not_underflow():
   assert np.linalg.norm(got - x) / np.linalg.norm(x.astype(np.float64)) < 0.1
 
 
+@pytest.mark.slow
 def test_mesh_average_of_near_maximum_gradients_stays_finite():
   params = {"w": jnp.zeros(256)}
   opt = co3("fp8", axis_name="data")

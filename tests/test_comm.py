@@ -24,6 +24,7 @@ def _device_grads(seed):
           for key, (k, x) in zip(keys, sorted(PARAMS.items()))}
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_output_is_the_mean_of_every_devices_decompressed_gradient(mesh, shard_mapped_update):
   kwargs = dict(scale=16.0, error_scale=64.0, reset_interval=3)  # fixed scales: layout-free
@@ -55,6 +56,7 @@ def test_output_is_the_mean_of_every_devices_decompressed_gradient(mesh, shard_m
       assert np.abs(diff).max() <= 1 and np.mean(diff != 0) < 1e-3, np.abs(diff).max()
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 @pytest.mark.parametrize("gather", ["bf16", "quantized"])
 def test_block_scales_average_close_to_the_true_mean(mesh, gather, shard_mapped_update):
@@ -73,6 +75,7 @@ def test_block_scales_average_close_to_the_true_mean(mesh, gather, shard_mapped_
   assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree.leaves(out))
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_wire_bytes_from_the_hlo(mesh, shard_mapped_update):
   report = {}
@@ -97,6 +100,7 @@ def test_wire_bytes_from_the_hlo(mesh, shard_mapped_update):
   assert 4.0 < 8 * a2a.nbytes / N_PARAMS <= 4.1
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_scatter_returns_this_devices_shard(mesh, shard_mapped_update):
   opt = loco(axis_name="data", scale=16.0, error_scale=64.0, scatter=True)
@@ -116,6 +120,7 @@ def test_scatter_returns_this_devices_shard(mesh, shard_mapped_update):
   assert "all-gather" not in [c.op for c in found]
 
 
+@pytest.mark.slow
 def test_non_finite_on_one_device_skips_the_step_on_every_device(mesh, shard_mapped_update):
   opt = loco(axis_name="data")
   state, _ = parallel.init_opt_state(opt, PARAMS, mesh)
@@ -129,6 +134,7 @@ def test_non_finite_on_one_device_skips_the_step_on_every_device(mesh, shard_map
                after, state)
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 @pytest.mark.parametrize("mode", [dict(), dict(gather="quantized"), dict(scatter=True)])
 def test_skip_by_cond_and_by_selects_give_the_same_steps(mesh, monkeypatch, mode,
@@ -157,6 +163,7 @@ def test_skip_by_cond_and_by_selects_give_the_same_steps(mesh, monkeypatch, mode
                runs[0], runs[1])
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 @pytest.mark.parametrize("shapes", [{"w": (8, 1024)}, {"w": (8, 1024), "b": (96,)}])
 def test_local_steps_checked_first_are_those_of_selects(monkeypatch, shapes):

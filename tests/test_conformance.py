@@ -109,6 +109,7 @@ def local(request):
   return _harness(request.param)
 
 
+@pytest.mark.slow
 def test_chain_with_adamw_under_jit_and_extra_args(harness):
   opt = optax.chain(harness.make(), optax.adamw(1e-2))
   params = _params()
@@ -121,6 +122,7 @@ def test_chain_with_adamw_under_jit_and_extra_args(harness):
   assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree.leaves(params))
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_inject_hyperparams_gives_the_plain_transformations_updates(harness):
   params = _params()
@@ -143,6 +145,7 @@ def test_inject_hyperparams_gives_the_plain_transformations_updates(harness):
       assert off.mean() <= 0.02, (off.mean(), a[off][:4], b[off][:4])
 
 
+@pytest.mark.slow
 def test_inject_hyperparams_changes_beta_on_the_fly(harness):
   injected = optax.inject_hyperparams(harness.factory, static_args=harness.static)(
       **harness.kwargs)

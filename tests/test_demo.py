@@ -41,6 +41,7 @@ def tiny_run(tmp_path_factory):
   return status, out, err.getvalue(), table.getvalue()
 
 
+@pytest.mark.slow
 def test_results_json(tiny_run):
   status, out, _, table = tiny_run
   assert status == 0
@@ -66,6 +67,7 @@ def test_results_json(tiny_run):
   assert not [p.name for p in out.iterdir() if p.name.startswith(".")]  # no temp files left
 
 
+@pytest.mark.slow
 def test_progress_goes_to_stderr(tiny_run):
   _, _, err, table = tiny_run
   assert "[1/2] none" in err and "[2/2] loco4" in err and "4/4" in err
@@ -324,6 +326,7 @@ def test_reset_interval_reaches_the_runs(tmp_path, monkeypatch, capsys):
   assert seen[-1] == ("loco4", 1024)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", demo.LOCO_METHODS)
 def test_reset_interval_resets_each_loco_method(method):
   """With reset_interval 3 the fourth step (k = 3) starts from a zero error: its output is a

@@ -196,6 +196,7 @@ def test_local_transformation_stays_finite(name, magnitudes, seed):
   _run(name, *_local(name), magnitudes, seed, 1)
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 @pytest.mark.parametrize("name", sorted(MESH) + sorted(TWO_HOP))
 @EXAMPLES
@@ -236,6 +237,7 @@ def _kernel_steps(bits):
   return reference, fused
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 @EXAMPLES
 @given(first=_magnitude(), second=_magnitude(), seed=st.integers(0, 2 ** 16),

@@ -132,6 +132,7 @@ def test_small_negatives_round_to_positive_zero():
   np.testing.assert_array_equal(fp.encode(x, fp.FP4), [0, 0])
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 @pytest.mark.parametrize("fmt", [fp.FP4, fp.FP8], ids=str)
 def test_jit_matches_numpy_bit_for_bit(fmt):

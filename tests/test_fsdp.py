@@ -69,6 +69,7 @@ def _fsdp_params_as_zero2(state) -> dict:
           "blocks": [jax.tree.map(lambda x: x[i], blocks) for i in range(layers)]}
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_uncompressed_fsdp_matches_zero2():
   fsdp_losses, fsdp_state = _train("fsdp", parallel.reduce_scatter("data"), 10)
@@ -101,10 +102,9 @@ def test_memory_of_a_12_layer_step_is_at_most_035_of_zero2s():
   assert peak["fsdp"] <= 0.35 * peak["zero2"], peak
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
-@pytest.mark.parametrize("param_gather,steps", [
-    pytest.param("compute", 50, marks=pytest.mark.slow),  # about 20 s
-    ("int8", 5)])
+@pytest.mark.parametrize("param_gather,steps", [("compute", 50), ("int8", 5)])
 def test_loco_fsdp_matches_loco_zero2_in_training_and_wire_bytes(param_gather, steps):
   batches = list(_batches(steps))
   found, losses = {}, {}
@@ -165,6 +165,7 @@ def test_collectives_per_step_counts_every_loop_iteration():
       assert [c.op for c in found] == ["all-reduce"] * count, found
 
 
+@pytest.mark.slow
 def test_checkpoint_round_trip_is_exact(tmp_path):
   mesh = parallel.data_mesh(N)
   state, step, config = train_worker.build("fsdp", 32, mesh)
@@ -200,6 +201,7 @@ def _mlp_loss(params, batch):
   return jnp.mean((h @ params["w2"] + params["b2"] - batch[:, 16:]) ** 2)
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_whole_model_fallback_matches_zero2():
   mesh, optimizer = parallel.data_mesh(N), optax.adam(1e-2)
@@ -222,6 +224,7 @@ def test_whole_model_fallback_matches_zero2():
   assert losses["fsdp"][-1] < losses["fsdp"][0]
 
 
+@pytest.mark.slow
 @settings(max_examples=15, deadline=None)
 @given(devices=st.sampled_from([1, 2, 3, 8]), layers=st.integers(1, 3),
        shape=st.lists(st.integers(1, 9), min_size=0, max_size=2))
@@ -243,6 +246,7 @@ def test_shard_params_round_trip(devices, layers, shape):
   jax.tree.map(np.testing.assert_array_equal, back, params)
 
 
+@pytest.mark.slow
 def test_bad_inputs_raise():
   mesh = parallel.data_mesh(N)
   compressor = parallel.reduce_scatter("data")
@@ -317,6 +321,7 @@ def test_two_processes_train_like_one(tmp_path):
                jax.tree.map(np.asarray, final_one))
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_nnx_example_layers_compute_the_modules_loss():
   sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
@@ -330,6 +335,7 @@ def test_nnx_example_layers_compute_the_modules_loss():
   np.testing.assert_allclose(fsdp.layered_loss(functions)(params, batch), expected, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_a_non_finite_gradient_leaves_every_layers_compressor_state_unchanged():
   mesh = parallel.data_mesh(N)
   optimizer = optax.adam(1e-2)

@@ -32,6 +32,7 @@ def test_fit_recovers_beta_and_alpha(beta):
   assert abs(result.alpha / alpha - 1) < 0.06, result  # alpha's spread is 1.3% at beta 0.4
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_fit_of_jax_samples_and_estimated_loc():
   x = gennorm.sample(jax.random.key(0), 0.8, 2.0, (100_000,), loc=0.5)
@@ -132,6 +133,7 @@ def test_cdf_and_ppf_known_values():
   assert edges[0] == -np.inf and edges[1] == 0.0 and edges[2] == np.inf and np.isnan(edges[3])
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_sample_moments():
   beta, alpha = 0.7, 2.0

@@ -45,6 +45,7 @@ def test_crafting_encodes_choices_reproduces_encode():
   assert _craft(symbols, lengths) == huffman.encode(symbols)
 
 
+@pytest.mark.slow
 def test_one_letter_lanes_are_refused_without_memory_blowup():
   """The tester's stream: valid payload, one letter a lane, zero-width lane table (~1 MB)."""
   symbols = _two_letters(8_000_000)

@@ -125,6 +125,7 @@ def test_total_bits_and_payload_match_the_host_coder():
   np.testing.assert_array_equal(huffman.decode(stream), symbols)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("packing", ["segment_sum", "cumsum"])
 def test_overflow_is_reported_not_written(packing):
   symbols = np.random.default_rng(4).integers(0, 16, 5000).astype(np.uint8)

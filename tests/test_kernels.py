@@ -66,6 +66,7 @@ def _run_steps(implementation, blocks, block, bits, error_bits, beta, steps=3, *
   assert np.any(error != 0)
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("blocks,block,bits,error_bits,beta", [
@@ -76,11 +77,13 @@ def test_step_matches_the_float64_reference(implementation, blocks, block, bits,
   _run_steps(implementation, blocks, block, bits, error_bits, beta)
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_jnp_step_of_bit_plane_widths_matches_the_reference():
   _run_steps("jnp", 8, 64, 3, 5, 0.7)
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_fixed_scales_match_the_reference(implementation):
@@ -88,6 +91,7 @@ def test_fixed_scales_match_the_reference(implementation):
   _run_steps(implementation, 4, 256, 4, 8, 0.8, fixed_scale=4.0)
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 @pytest.mark.parametrize("blocks", [16, 18])  # 4 tiles; 5, the last overlapping the one before
 def test_tiled_cpu_path_matches_the_reference(monkeypatch, blocks):
@@ -121,6 +125,7 @@ def test_tiled_cpu_path_without_decompressed_values_and_with_a_nan(monkeypatch):
   assert not bool(step(g, error, error_scale).finite)
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 @settings(max_examples=12, deadline=None)
 @given(seed=st.integers(0, 2**16), spread=st.floats(0.0, 6.0), beta=st.floats(0.0, 1.0),
@@ -141,6 +146,7 @@ def test_jnp_step_matches_the_reference_on_any_data(seed, spread, beta, bits, lo
   assert found.passed, found
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_the_reference_check_catches_wrong_outputs():
   blocks = 4
@@ -206,6 +212,7 @@ def test_dequantize_mean_of_bit_plane_widths_and_many_peers():
   assert reference.mean_off(np.asarray(got), codes, scales) == 0
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 @pytest.mark.parametrize("bits", [4, 3])
 def test_unrolled_and_looped_means_are_the_same_sums(bits):
@@ -224,6 +231,7 @@ def test_unrolled_and_looped_means_are_the_same_sums(bits):
     np.testing.assert_array_equal(row, unrolled)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("blocks", [4, 18])  # 18: tiles of 4 on CPU, the last overlapping
 def test_a_step_known_to_be_skipped_keeps_its_error_and_sends_nan(monkeypatch, implementation,
@@ -258,6 +266,7 @@ def test_non_finite_gradient_is_reported(implementation, bad):
   assert not bool(out.finite)
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_auto_is_jnp_on_cpu_and_the_pallas_check_passes_in_interpret_mode():
   assert kernels.chosen_implementation() == "jnp"
@@ -280,6 +289,7 @@ def test_auto_takes_pallas_where_it_runs_and_passes_the_check(monkeypatch):
   assert kernels.chosen_implementation(block_size=kernels.GPU_MIN_BLOCK // 2) == "jnp"
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_a_kernel_that_rounds_wrongly_fails_the_check(monkeypatch):
   # What keeps `auto` off a broken kernel: the same check, on an implementation that rounds
@@ -361,6 +371,7 @@ def _near_max_gradients(seed: int, block: int) -> np.ndarray:
   return g.astype(F32).reshape(-1)
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 @pytest.mark.parametrize("implementation, bits, error_bits, beta", [
     ("jnp", 2, 8, 0.8), ("jnp", 3, 8, 0.8), ("jnp", 2, 2, 0.0), ("jnp", 1, 8, 0.8),

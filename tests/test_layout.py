@@ -58,6 +58,7 @@ def _layer(name: str) -> str | None:
   return parts[1] if len(parts) > 1 and parts[1] in LAYERS else None
 
 
+@pytest.mark.slow
 def test_the_library_never_imports_the_applications():
   # In a fresh interpreter: every library module imported, and nothing of loco_jax.apps.
   code = ("import sys, importlib\n"

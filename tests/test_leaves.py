@@ -22,6 +22,7 @@ def _trees(draw):
           for i, (s, d) in enumerate(zip(shapes, dtypes))}
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 @settings(max_examples=25, deadline=None)
 @given(_trees())

@@ -94,6 +94,7 @@ def test_matches_numpy_reference(scale, error_scale):
   assert np.any(np.asarray(state.error[""][0]) != 0)
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_leaves_are_compressed_per_bucket_not_per_leaf(monkeypatch):
   calls = []
@@ -120,6 +121,7 @@ def test_leaves_are_compressed_per_bucket_not_per_leaf(monkeypatch):
                                 np.asarray(state.error[""][0])[4 * 4096: 5 * 4096])
 
 
+@pytest.mark.slow
 def test_non_finite_gradient_in_a_fused_leaf_outputs_nan_and_keeps_state():
   opt = loco(block_size=512)
   g = jnp.linspace(-1, 1, 2048)
@@ -146,6 +148,7 @@ def _drift(beta, steps, seed=0):
   return float(jnp.abs(drift).mean())
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_feedback_keeps_drift_bounded_while_plain_rounding_drifts_linearly():
   # beta = 1 never updates the error: plain 4-bit rounding without feedback.
@@ -156,6 +159,7 @@ def test_feedback_keeps_drift_bounded_while_plain_rounding_drifts_linearly():
   assert loco_drift[1] < no_feedback[1] / 20
 
 
+@pytest.mark.slow
 def test_reset_zeroes_the_error_before_the_step():
   opt = loco(bits=4, scale=4.0, error_scale=64.0, reset_interval=2)
   state = opt.init(jnp.zeros(8))
@@ -171,6 +175,7 @@ def test_reset_zeroes_the_error_before_the_step():
                                 np.asarray(after_fresh.error[""][0]))
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_vanishing_and_zero_blocks_stay_finite_and_go_to_zero():
   n = 4096
@@ -189,6 +194,7 @@ def test_vanishing_and_zero_blocks_stay_finite_and_go_to_zero():
   assert np.all(np.isfinite(np.asarray(state.error_scale[""][0])))
 
 
+@pytest.mark.slow
 def test_non_finite_gradient_outputs_nan_and_keeps_state():
   opt = loco()
   state = opt.init({"a": jnp.zeros(100), "b": jnp.zeros(3)})
@@ -202,6 +208,7 @@ def test_non_finite_gradient_outputs_nan_and_keeps_state():
                after, state)
 
 
+@pytest.mark.slow
 def test_apply_if_finite_skips_the_step_and_keeps_the_error():
   opt = optax.apply_if_finite(optax.chain(loco(), optax.sgd(0.1)), max_consecutive_errors=3)
   params = jnp.zeros(64)
@@ -224,6 +231,7 @@ def test_keeps_dtype(dtype):
   np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(g, np.float32), atol=0.08)
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_non_float_scalar_and_empty_leaves():
   params = {"int": jnp.arange(3), "scalar": jnp.float32(0.0), "empty": jnp.zeros((0, 4)),
@@ -292,6 +300,7 @@ def test_a_gradient_tree_unlike_inits_params_is_refused_naming_the_leaf(grads, m
     jax.jit(opt.update)(grads, state)
 
 
+@pytest.mark.slow
 def test_float_widths_may_differ_from_inits_params():
   # Mixed precision: float32 params, bfloat16 gradients, as every optax transformation allows.
   opt = loco()

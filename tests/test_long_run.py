@@ -72,6 +72,7 @@ def _schedule(t: int) -> float:
   return end + (PEAK - end) * 0.5 * (1 + math.cos(math.pi * (t - WARMUP) / (STEPS - WARMUP)))
 
 
+@pytest.mark.slow
 def test_records(short_runs):
   whole, _, _ = short_runs
   loco, none = _records(whole / f"{LOCO}-s0"), _records(whole / "none-s0")
@@ -95,6 +96,7 @@ def test_records(short_runs):
   assert loco[1]["train_losses"][0] == pytest.approx(none[1]["train_losses"][0], rel=1e-6)
 
 
+@pytest.mark.slow
 def test_killed_run_resumes_to_the_same_curve(short_runs):
   whole, killed, left = short_runs
   assert [r["step"] for r in left["records"]] == list(range(0, KILL + 1, EVERY))
@@ -117,6 +119,7 @@ def test_killed_run_resumes_to_the_same_curve(short_runs):
   assert resumed[:5] == left["records"][:5]  # what was kept is kept as it was
 
 
+@pytest.mark.slow
 def test_complete_run_is_not_run_again(short_runs, capsys):
   whole, _, _ = short_runs
   before = (whole / "none-s0" / "records.jsonl").read_bytes()
@@ -125,6 +128,7 @@ def test_complete_run_is_not_run_again(short_runs, capsys):
   assert (whole / "none-s0" / "records.jsonl").read_bytes() == before
 
 
+@pytest.mark.slow
 def test_other_settings_do_not_resume_a_run(short_runs, capsys):
   _, killed, _ = short_runs
   folder = killed / f"{LOCO}-s0"
@@ -149,6 +153,7 @@ def test_bad_arguments(argv, message, tmp_path, capsys):
   assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.slow
 def test_campaign_skips_complete_and_busy_runs(short_runs, tmp_path, capsys):
   whole, _, _ = short_runs
   assert len(long_run.CAMPAIGN) >= 10 and {("none", 1), ("loco4", 1)} <= set(long_run.CAMPAIGN)
@@ -179,6 +184,7 @@ def test_error_stats_dequantize_each_block():
   assert stats["zero_scale_fraction"] == 0.25 and stats["count"] == 5
 
 
+@pytest.mark.slow
 def test_report_on_the_short_form(short_runs, tmp_path, capsys):
   whole, _, _ = short_runs
   assert long_run_report.main([str(whole), "--window", "4", "--out", str(tmp_path)]) == 0

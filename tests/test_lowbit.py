@@ -97,6 +97,7 @@ def _two_steps(opt, grads):
   return out, state
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bits, explicit", [
     (2, dict(scale_method="rms", clip_rms=1.5, block_size=128, beta=0.8, error_bits=8)),
     (3, dict(scale_method="rms", clip_rms=3.0, block_size=256, beta=0.8, error_bits=8)),
@@ -111,6 +112,7 @@ def test_none_arguments_are_the_width_defaults(bits, explicit):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_two_bit_default_is_not_the_papers_recipe():
   rng = np.random.default_rng(7)
@@ -125,6 +127,7 @@ def test_two_bit_default_is_not_the_papers_recipe():
 
 # --- The scale against an independent numpy reference -----------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.numerics
 @settings(max_examples=30, deadline=None)
 @given(bits=st.sampled_from([1, 2, 3, 4, 8]), clip_rms=st.floats(0.5, 6.0),
@@ -147,6 +150,7 @@ def test_rms_scale_matches_numpy(bits, clip_rms, seed, tail, magnitude):
                              want, rtol=1e-12)
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_rms_scale_does_not_overflow_near_the_float32_maximum():
   x = jnp.stack([jnp.full((16,), 1e37, jnp.float32).at[0].set(-1e37),
@@ -157,6 +161,7 @@ def test_rms_scale_does_not_overflow_near_the_float32_maximum():
   assert float(s[1]) == pytest.approx(1 / 3e38, rel=2.0 ** -21) and float(s[1]) < quant.TINY
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_error_feedback_with_rms_scale_quantizes_as_numpy():
   rng = np.random.default_rng(3)
@@ -172,6 +177,7 @@ def test_error_feedback_with_rms_scale_quantizes_as_numpy():
 
 # --- The fused kernel against the float64 reference -------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.numerics
 @pytest.mark.parametrize("implementation, bits, clip_rms, block_size, extra", [
     ("jnp", 2, 1.5, 128, {}),
@@ -186,6 +192,7 @@ def test_compress_step_with_rms_scale_passes_the_reference(implementation, bits,
   assert report == "pass", report
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 @pytest.mark.parametrize("implementation", ["jnp", "pallas"])
 def test_rms_scale_in_the_kernel_near_the_float32_maximum(implementation):
@@ -206,6 +213,7 @@ def test_rms_scale_in_the_kernel_near_the_float32_maximum(implementation):
   assert found.passed, found
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_reference_rejects_absmax_scales_where_rms_was_asked():
   rng = np.random.default_rng(1)
@@ -228,6 +236,7 @@ def test_reference_rejects_absmax_scales_where_rms_was_asked():
 PARAMS = {"w": jnp.zeros((32, 128)), "v": jnp.zeros((N * 256,))}
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 @pytest.mark.parametrize("bits", [2, 3])
 def test_mesh_round_trip_with_the_new_defaults(mesh, bits):
@@ -276,6 +285,7 @@ def test_demo_accepts_the_width_names():
     demo._choose_methods("loco2,loco5")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method, bits", [("loco2", 2), ("loco3", 3), ("ef2", 2), ("ef3", 3)])
 def test_demo_width_methods_compress_to_their_width(method, bits):
   grads = {"w": jnp.asarray(np.random.default_rng(2).standard_normal((16, 128)), jnp.float32)}
@@ -322,6 +332,7 @@ def test_gradients_near_the_maximum_come_out_whole_in_local_mode(bits, scale_met
     np.testing.assert_allclose(np.asarray(out["w"]), np.asarray(grads["w"]), rtol=2.0 ** -20)
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 @pytest.mark.parametrize("bits, scale_method, clip_rms", WIDTHS)
 def test_gradients_near_the_maximum_come_out_whole_through_the_mesh_mean(mesh, bits,

@@ -78,6 +78,7 @@ def test_gpt_default_param_count():
   assert n == expected
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_gpt_initial_loss_and_functional_form_match_module(tiny):
   model, _, params, _, loss = tiny
@@ -95,6 +96,7 @@ def test_gpt_same_init_for_same_rngs(tiny):
   assert not np.array_equal(params["head"]["kernel"], other["head"]["kernel"])
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_gpt_adamw_reduces_loss_on_repeated_batch(tiny):
   _, graphdef, params, _, _ = tiny
@@ -102,6 +104,7 @@ def test_gpt_adamw_reduces_loss_on_repeated_batch(tiny):
   assert losses[-1] < 0.6 * losses[0], losses
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_gpt_grads_under_shard_map_match_full_batch(tiny):
   # Params are cast to "varying" so jax.grad returns each device's local gradient; on
@@ -139,6 +142,7 @@ def test_gpt_rejects_bad_config_and_input(tiny):
     gpt.loss_fn(model, _tokens((4,)))
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_teacher_student_data():
   x, y = teacher_student_data(jax.random.key(1), 512, 8, 3, 16)
@@ -156,6 +160,7 @@ def test_teacher_student_data():
     teacher_student_data(jax.random.key(0), 50, 8, 3, 0)
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_mlp_shapes_and_functional_form():
   assert num_params(nnx.eval_shape(lambda: MLP(8, [32, 16], 3))) == \
@@ -170,6 +175,7 @@ def test_mlp_shapes_and_functional_form():
     MLP(8, 0, 3)
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 @pytest.mark.parametrize("task", ["regression", "classification"])
 def test_mlp_learns_teacher(task):

@@ -245,6 +245,7 @@ def test_training_rows_split_the_step_and_carry_the_cost_model():
     netbench_report.summarize_training(rows[2:], 2, "100mbit")
 
 
+@pytest.mark.slow
 def test_the_collectives_replay_runs_the_steps_collectives_as_compiled():
   import jax
   import numpy as np
@@ -267,6 +268,7 @@ def test_the_collectives_replay_runs_the_steps_collectives_as_compiled():
   np.testing.assert_array_equal(np.asarray(replay(ones)), np.ones(8))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["fsdp-loco"])
 def test_sharded_training_methods_train_and_report_their_wire(method):
   # In one process on the 8 simulated devices (lo's counters): the zero2 and fsdp rows of

@@ -115,6 +115,7 @@ def test_gloos_algorithms_put_these_bytes_between_nodes():
   assert netbench_methods.node_sent_bytes([ring("collective-permute", 400)], node_of) is None
 
 
+@pytest.mark.slow
 def test_the_hierarchical_all_reduce_sends_two_thirds_of_the_ring_between_nodes():
   # 2 nodes x 2 devices: the flat ring crosses twice with 2 x 3/4 x 32 bits a parameter; the
   # hierarchical one's all-reduce of half the leaf between 2 nodes, 2 x 1/2 x 32 x 1/2 a device.
@@ -129,6 +130,7 @@ def test_the_hierarchical_all_reduce_sends_two_thirds_of_the_ring_between_nodes(
   assert bits("hier-loco-quantized")[0] / loco[0] < 0.3
 
 
+@pytest.mark.slow
 def test_the_two_level_methods_average():
   nodes = parallel.node_mesh(2, 2)
   g = np.random.default_rng(0).standard_normal((4, N)).astype(np.float32)
@@ -216,6 +218,7 @@ def _netbench(*argv: str) -> subprocess.Popen:
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_mid_run_removes_every_namespace_and_host(signum):
   _skip_without_namespaces()

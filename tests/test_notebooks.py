@@ -19,6 +19,7 @@ def test_the_notebooks_are_there():
                                          "02_gradient_statistics_and_codec.ipynb"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_runs(path: Path, monkeypatch):
   # jupyter_client starts a "python3" kernelspec whose command is `python` with sys.executable

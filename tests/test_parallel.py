@@ -50,6 +50,7 @@ def _train(mode, compressor, optimizer=None, steps=30, **kwargs):
   return losses, state, step
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_ddp_and_zero2_uncompressed_agree():
   ddp, _, _ = _train("ddp", _mean())
@@ -58,6 +59,7 @@ def test_ddp_and_zero2_uncompressed_agree():
   assert ddp[-1] < 0.5 * ddp[0]
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_zero2_with_loco_trains_like_uncompressed():
   plain, _, _ = _train("zero2", parallel.reduce_scatter("data"))
@@ -68,6 +70,7 @@ def test_zero2_with_loco_trains_like_uncompressed():
   assert abs(int8_gather[-1] - plain[-1]) < 0.1 * plain[0]
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_zero2_optimizer_state_is_a_shard_of_ddps():
   per_device = lambda tree, split: sum(
@@ -79,6 +82,7 @@ def test_zero2_optimizer_state_is_a_shard_of_ddps():
   assert zero2_bytes < 1.3 * ddp_bytes / N, (zero2_bytes, ddp_bytes)
 
 
+@pytest.mark.slow
 def test_zero2_wire_bits_from_the_hlo():
   n_params = sum(x.size for x in jax.tree.leaves(_params()))
   bits = {}
@@ -97,6 +101,7 @@ def test_zero2_wire_bits_from_the_hlo():
   assert bits["loco"]["all-to-all"] < bits["plain"]["reduce-scatter"] / 6
 
 
+@pytest.mark.slow
 def test_bad_axis_and_batch():
   with pytest.raises(ValueError, match="num_devices must be in 1..8"):
     parallel.data_mesh(0)
@@ -109,6 +114,7 @@ def test_bad_axis_and_batch():
     step(state, jnp.zeros((12, 20)))
 
 
+@pytest.mark.slow
 def test_apply_if_finite_after_the_compressor_skips_a_bad_step_everywhere():
   mesh = parallel.data_mesh(N)
   optimizer = optax.apply_if_finite(optax.adam(1e-2), max_consecutive_errors=5)
@@ -131,6 +137,7 @@ def _ndim_mask(params):
   return jax.tree.map(lambda x: x.ndim > 1, params)
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_zero2_evaluates_a_callable_mask_on_the_full_shapes_like_ddp():
   # optax evaluates the mask on what it is given: zero2's flat master shards have ndim 1, so
@@ -147,6 +154,7 @@ def test_zero2_evaluates_a_callable_mask_on_the_full_shapes_like_ddp():
   assert ratio < 0.95, ratio
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_zero2_clips_by_the_global_norm_of_the_whole_gradient_like_ddp():
   # zero2's optimizer runs under GSPMD on the global master shards: the norm is the whole
@@ -182,6 +190,7 @@ def test_masks_see_full_shapes_through_inject_hyperparams_and_multi_transform():
   assert set(seen) == {x.shape for x in jax.tree.leaves(shards)}
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_compute_dtype_applies_in_ddp():
   _, state, step = _train("ddp", _mean(), steps=1, compute_dtype=jnp.bfloat16)
@@ -209,6 +218,7 @@ def test_options_that_would_be_ignored_raise(kwargs, match):
                              compressor=parallel.reduce_scatter("data"), **kwargs)
 
 
+@pytest.mark.slow
 def test_scalar_batch_leaf_and_mismatched_trees_name_the_leaf():
   _, state, step = _train("ddp", _mean(), steps=1)
   batch = next(_batches(1))

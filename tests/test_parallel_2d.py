@@ -78,6 +78,7 @@ def _error_specs(state) -> dict:
           for key, arrays in state.compressor_state.error.items()}
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_ddp_keeps_model_sharding_and_matches_the_data_mesh():
   mesh = _mesh()
@@ -108,6 +109,7 @@ def _loco_collectives():
           for _, state, _, step in _loco_runs()]
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_ddp_with_loco_compresses_model_shards_and_trains_like_the_data_mesh():
   (losses, state, _, _), (loco_1d, _, _, _) = _loco_runs()
@@ -128,6 +130,7 @@ def test_ddp_with_loco_compresses_model_shards_and_trains_like_the_data_mesh():
   assert losses[-1] < 0.7 * losses[0]
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_one_loco_step_is_the_mean_gradient_within_4_bit_rounding():
   mesh, lr = _mesh(), 1.0
@@ -151,6 +154,7 @@ def _collectives(compressor, mesh, params):
   return comm.compiled_collectives(step.jitted, state, _batches(1)[0])
 
 
+@pytest.mark.slow
 def test_compiled_collectives_over_model_are_the_models_own():
   mesh = _mesh()
   over = lambda found: collections.Counter(
@@ -168,6 +172,7 @@ def test_compiled_collectives_over_model_are_the_models_own():
   assert any(c.op == "all-to-all" for c in compressed if c.group_size == DATA)
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_bytes_over_data_scale_with_the_model_shard():
   # Each model rank sends the codes of its half of each split leaf: half the 1-D mesh's bytes.
@@ -177,6 +182,7 @@ def test_bytes_over_data_scale_with_the_model_shard():
   assert 0.4 * one_d < two_d < 0.6 * one_d, (two_d, one_d)
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_zero2_on_a_data_model_mesh():
   mesh = _mesh()
@@ -197,6 +203,7 @@ def test_zero2_on_a_data_model_mesh():
                                atol=1e-7)
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_zero2_with_loco_on_a_data_model_mesh_trains_like_uncompressed():
   mesh = _mesh()
@@ -207,6 +214,7 @@ def test_zero2_with_loco_on_a_data_model_mesh_trains_like_uncompressed():
   assert _error_specs(state) == {"model": {P(("data", "model"))}, "": {P("data")}}
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_two_hop_through_make_train_step_splits_the_batch_over_both_axes():
   mesh = parallel.node_mesh(2, 4)
@@ -223,6 +231,7 @@ def test_two_hop_through_make_train_step_splits_the_batch_over_both_axes():
   np.testing.assert_allclose(losses, fp32, rtol=0.03)
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_zero2_over_two_data_axes_matches_the_data_mesh():
   axes = ("node", "local")
@@ -234,6 +243,7 @@ def test_zero2_over_two_data_axes_matches_the_data_mesh():
   np.testing.assert_allclose(losses, flat, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_a_nonfinite_gradient_in_one_model_shard_is_skipped_on_every_device():
   mesh = _mesh()
   def loss_fn(params, batch):
@@ -259,6 +269,7 @@ def _typed_loss(p, batch):
   return jnp.mean((out + p["b2"] - batch[:, 16:]) ** 2)
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 @pytest.mark.parametrize("mode, compressor", [
     ("ddp", baselines.uncompressed("data")), ("ddp", loco(axis_name="data")),
@@ -331,6 +342,7 @@ def _fp32_step_reference():
   return jax.tree.map(np.asarray, state.params)
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 @settings(max_examples=4, deadline=None)
 @given(st.fixed_dictionaries({name: st.sampled_from(
@@ -361,6 +373,7 @@ def _per_device_grads():
   return grads, jax.tree.map(lambda *g: jnp.concatenate(g), *grads)
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 @pytest.mark.parametrize("told", ["specs=", "shardings"])
 def test_init_opt_state_on_a_data_model_mesh_runs_the_readme_recipe(told):

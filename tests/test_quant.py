@@ -8,6 +8,7 @@ import pytest
 from loco_jax.core import quant
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bits", range(1, 9))
 def test_compress_matches_numpy(bits):
   rng = np.random.default_rng(bits)
@@ -48,6 +49,7 @@ def test_check_bits(bits):
     quant.check_bits(bits)
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_absmax_scale_zero_vanishing_and_nonfinite_blocks_give_zero():
   blocks = jnp.array([[0.0, 0.0], [1e-40, -1e-39], [3.0, -1.5], [jnp.inf, 1.0], [jnp.nan, 1.0]])

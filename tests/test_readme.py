@@ -23,6 +23,7 @@ def _blocks(section: str, end: str) -> list[str]:
   return re.findall(r"```python\n(.*?)```", text, re.S)
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_the_loco_recipes_run_as_written():
   blocks = _blocks("## LoCo as an optax transformation", "### Fully sharded")

@@ -39,6 +39,7 @@ def _step(opt, mesh, specs):
                                out_specs=(jax.tree.map(lambda _: P(), PARAMS), specs)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("reset_interval", [4, 5, 0])
 def test_reset_zeroes_the_error_exactly_at_the_scheduled_steps(mesh, reset_interval):
   opt = loco(bits=4, axis_name="data", reset_interval=reset_interval)

@@ -93,6 +93,7 @@ def _over(found, group_size):
   return sorted((c.op, c.dtype, c.nbytes) for c in found if c.group_size == group_size)
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_model_sharded_leaves_add_no_collective_over_model():
   told, fp32 = _step("told")[0], _step("fp32")[0]
@@ -114,6 +115,7 @@ OVER_DATA = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(OVER_DATA))
 def test_every_compressor_sends_only_its_model_shard(name):
   params, x, y = _problem()
@@ -129,6 +131,7 @@ def test_every_compressor_sends_only_its_model_shard(name):
   assert all(np.all(np.isfinite(np.asarray(v))) for v in jax.tree.leaves(out))
 
 
+@pytest.mark.slow
 def test_leaf_specs_context_manager_tells_the_specs():
   assert _over(_step("context")[0], MODEL) == _over(_step("told")[0], MODEL)
 
@@ -137,6 +140,7 @@ def _data_bytes(found):
   return sum(c.sent_bytes for c in found if c.group_size == DATA)
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_bytes_over_data_scale_with_the_local_shard():
   ratio = _data_bytes(_step("told")[0]) / _data_bytes(_step("1d")[0])
@@ -156,6 +160,7 @@ def _per_device_grads():
                    for xb, yb in zip(np.split(x, DATA), np.split(y, DATA))])
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_model_sharded_results_match_the_data_mesh_within_rounding():
   per_device = _per_device_grads()
@@ -166,6 +171,7 @@ def test_model_sharded_results_match_the_data_mesh_within_rounding():
   assert not np.allclose(two_d, exact, rtol=0, atol=1e-7)  # it was compressed
 
 
+@pytest.mark.slow
 def test_manual_model_axis_leaves_are_already_local():
   """Case (a): the caller runs the update in a shard_map manual over 'model' too (the gradient
   comes from GSPMD); replicated and sharded leaves mix (LoCo buckets them apart)."""
@@ -256,6 +262,7 @@ def _types(tree):
   return jax.tree.map(lambda x: (str(jax.typeof(x)), jax.typeof(x).sharding.spec), tree)
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 @pytest.mark.parametrize("name", sorted(LOCAL))
 def test_explicit_sharding_state_types_match_and_no_gather(name):
@@ -286,6 +293,7 @@ def test_explicit_sharding_state_types_match_and_no_gather(name):
       assert np.allclose(o, g, atol=np.max(np.abs(g)) / 7 * 0.5 + 1e-3 * np.abs(g).max())
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_two_hop_on_an_explicit_model_axis():
   """two_hop (where it applies: inside a shard_map over its two data axes) on leaves that an

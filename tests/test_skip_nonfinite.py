@@ -67,6 +67,7 @@ def _host(tree):
   return jax.tree.map(np.asarray, tree)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode, compressor", [
     ("ddp", loco(axis_name="data")),
     ("zero2", parallel.reduce_scatter("data")),

@@ -28,6 +28,7 @@ def step_of(shard_mapped_update):
   return lambda opt: shard_mapped_update(opt, parallel.node_mesh(NODES, LOCAL), PARAMS, AXES)
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 @pytest.mark.parametrize("intra,gather", [("reduce_scatter", "bf16"), ("loco", "bf16"),
                                           ("reduce_scatter", "quantized")])
@@ -44,6 +45,7 @@ def test_two_hops_track_the_mean(intra, gather, step_of):
   assert int(state.count) == 6
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_wire_bytes_per_hop(step_of):
   report = {}
@@ -62,6 +64,7 @@ def test_wire_bytes_per_hop(step_of):
   assert ("reduce-scatter", "intra") not in report["loco"]
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_a_quantized_gather_carries_bits_across_nodes_not_16(step_of):
   across = {}
@@ -85,6 +88,7 @@ def test_bad_arguments():
     two_hop(gather="fp32")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("intra,gather", [("reduce_scatter", "bf16"), ("loco", "bf16"),
                                           ("loco", "quantized")])
 def test_non_finite_gradient_on_one_device_outputs_nan_and_keeps_state(intra, gather, step_of):
@@ -99,6 +103,7 @@ def test_non_finite_gradient_on_one_device_outputs_nan_and_keeps_state(intra, ga
                after, state)
 
 
+@pytest.mark.slow
 def test_a_gradient_tree_that_does_not_match_the_state_names_the_leaf(step_of):
   step, state = step_of(two_hop(intra="loco"))
   grads = _grads(0)

@@ -25,6 +25,7 @@ def _ops(found):
   return [(c.op, c.dtype) for c in found if not c.conditional]
 
 
+@pytest.mark.slow
 @settings(max_examples=8, deadline=None)
 @given(columns=st.integers(1, 300), chunk=st.integers(1, 1200),
        dtype=st.sampled_from([np.uint8, np.uint16, np.float32]))
@@ -48,6 +49,7 @@ def test_chunked_all_to_all_moves_what_one_all_to_all_moves(mesh, columns, chunk
                                                                                           xs))
 
 
+@pytest.mark.slow
 @settings(max_examples=8, deadline=None)
 @given(length=st.integers(1, 64), chunk=st.integers(1, 900))
 def test_chunked_all_gather_returns_the_devices_rows_in_order(mesh, length, chunk):
@@ -61,6 +63,7 @@ def test_chunked_all_gather_returns_the_devices_rows_in_order(mesh, length, chun
   assert sum(c.nbytes for c in found) == x.nbytes
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_loco_and_the_bf16_mean_give_the_same_result_chunked(mesh):
   grads = np.random.default_rng(0).standard_normal((N, 5000)).astype(np.float32) * 1e-3

@@ -39,6 +39,7 @@ def test_xla_cpu_widens_a_bf16_all_gather_and_comm_all_gather_does_not(mesh):
   np.testing.assert_array_equal(np.asarray(ours(x)), expected)
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 @settings(max_examples=8, deadline=None)
 @given(size=st.integers(1, 300), seed=st.integers(0, 2**16), scale=st.sampled_from([1e-3, 1.0, 1e4]))
@@ -74,6 +75,7 @@ def test_mean_16bit_chooses_the_collective_per_backend(mesh):
     _sharded(lambda a: comm.mean_16bit([a[0]], "data", "cpu")[0], mesh)(x)
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 @pytest.mark.parametrize("name, make, most_bits", [
     # (N-1)/N of: 4-bit codes + scales + flags, then 16 (bf16 gather) or 4 + scales.

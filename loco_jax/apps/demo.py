@@ -166,6 +166,10 @@ def make_compressor(method: str, config: DemoConfig = DemoConfig(),
 
 # --- Devices, data, model -------------------------------------------------------------------------
 
+PATIENT_COLLECTIVES = ("--xla_cpu_collective_call_terminate_timeout_seconds=86400 "
+                       "--xla_cpu_collective_call_warn_stuck_timeout_seconds=3600")
+
+
 def setup_devices(n: int, platform: str | None = "cpu") -> None:
   """Asks jax for `n` CPU devices (and the CPU platform) before its backend starts.
 
@@ -176,6 +180,11 @@ def setup_devices(n: int, platform: str | None = "cpu") -> None:
     if platform and not os.environ.get("JAX_PLATFORMS"):
       jax.config.update("jax_platforms", platform)
     jax.config.update("jax_num_cpu_devices", n)
+    # The simulated devices are threads of this process, so a collective can be late (a busy
+    # or paused machine) but never lost: XLA's default aborts the process after 40 s.
+    if "collective_call_terminate" not in os.environ.get("XLA_FLAGS", ""):
+      os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + PATIENT_COLLECTIVES
+                                 ).strip()
   except RuntimeError:
     pass  # backend already initialized: use what it has
   if jax.device_count() < n:
