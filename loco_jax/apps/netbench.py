@@ -318,6 +318,10 @@ def _measure_all(args, settings: list[tuple[str, str | None]]) -> list[dict]:
 
 def _print_tables(args, exchanges: list[dict], training: list[dict]) -> None:
   print("\n".join(report.format_table(exchanges)))
+  state = report.format_state_table(exchanges)
+  if state:
+    print("\nWhat ran, and the methods' own counts over the timed steps:")
+    print("\n".join(state))
   if args.nodes > 1:
     print("\nTwo levels (inter-node bits: every node's uplink counter, all nodes together):")
     print("\n".join(report.format_two_level_table(exchanges)))

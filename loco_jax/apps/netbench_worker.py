@@ -230,10 +230,22 @@ def _uplinks_sent(uplinks: list[tuple[str, str]]) -> list[int]:
   return [netns.link_bytes(namespace, interface)[0] for namespace, interface in uplinks]
 
 
+def _host_values(state, names: tuple[str, ...]) -> dict[str, list[float]]:
+  """Each named state field's values on this host's devices (netbench_methods.state_field)."""
+  import numpy as np
+  values = {}
+  for name in names:
+    x = netbench_methods.state_field(state, name)
+    shards = x.addressable_shards[:1] if x.is_fully_replicated else x.addressable_shards
+    values[name] = np.concatenate([np.asarray(s.data).ravel() for s in shards]).tolist()
+  return values
+
+
 def _measure(method: str, args, mesh, barrier, ones, uplinks: list[tuple[str, str]]) -> dict:
   """This host's record of `method`'s exchange on `mesh`: its median step and CPU time, the
   bytes it sent (and, with `uplinks`, every node's bytes to the others) over the timed steps,
-  the compiled program's prediction of both, and the step's collectives alone."""
+  the compiled program's prediction of both, the step's collectives alone, and the method's
+  state counts over the timed steps and gauges after them."""
   import jax
   import numpy as np
   from jax.sharding import NamedSharding
@@ -252,6 +264,8 @@ def _measure(method: str, args, mesh, barrier, ones, uplinks: list[tuple[str, st
   jax.block_until_ready(barrier(ones))   # every host has finished the warm-up
   uplinks0 = _uplinks_sent(uplinks)
   jax.block_until_ready(barrier(ones))   # ... and the uplinks' counters are read
+  table = netbench_methods.METHODS[method]
+  counts0 = _host_values(state, table.counts)
   tx0, times, cpu = _tx_bytes(args.interface), [], []
   for _ in range(args.steps):
     t0, c0 = time.perf_counter(), time.process_time()
@@ -262,6 +276,8 @@ def _measure(method: str, args, mesh, barrier, ones, uplinks: list[tuple[str, st
   jax.block_until_ready(barrier(ones))  # the peers have received all this host sent
   sent = _tx_bytes(args.interface) - tx0
   uplinks_sent = [b - a for a, b in zip(uplinks0, _uplinks_sent(uplinks))]
+  counts = {name: int(sum(after) - sum(before)) for (name, before), after in
+            zip(counts0.items(), _host_values(state, table.counts).values())}
   # Where the step's time goes: its collectives alone, as compiled (same pieces, same bytes).
   replay = netbench_methods.collectives_replay(found, mesh)
   replay_ones = _ones(mesh, jax)
@@ -269,12 +285,20 @@ def _measure(method: str, args, mesh, barrier, ones, uplinks: list[tuple[str, st
   jax.block_until_ready(barrier(ones))
   per_step = args.steps * args.params
   return {
-      "method": method, "topology": netbench_methods.METHODS[method].topology,
+      "method": method, "topology": table.topology, "steps": args.steps,
+      # What ran: the step's collectives in order, the conditional ones left out.
+      "exchange": " + ".join(dict.fromkeys(c.op for c in found if not c.conditional)),
+      "counts": counts, "gauges": _host_values(state, table.gauges),
+      "conditional_steps": counts.get(table.conditional_count, 0),
       "step_s": statistics.median(times), "cpu_s": statistics.median(cpu), "sent_bytes": sent,
       "collectives_s": _median_time(replay, replay_ones, steps=args.steps, jax=jax),
       "measured_bits_per_param": 8 * sent / per_step,
       "predicted_bits_per_param": comm.wire_bits_per_param(found, args.params)
                                   * args.devices_per_host,
+      # A step that runs the conditional collectives (table.conditional_count) sends this more.
+      "conditional_bits_per_param": (comm.wire_bits_per_param(found, args.params, True)
+                                     - comm.wire_bits_per_param(found, args.params))
+                                    * args.devices_per_host,
       "measured_inter_bits_per_node": [8 * b / per_step for b in uplinks_sent] or None,
       "predicted_inter_bits_per_node": None if inter is None else [8 * b / args.params
                                                                    for b in inter],
