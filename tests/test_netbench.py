@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from loco_jax.apps import netbench, netbench_methods, netbench_report, netns
+from loco_jax.apps import (netbench, netbench_methods, netbench_profile, netbench_report,
+                           netns)
 
 TIMEOUT_S = 150
 
@@ -98,6 +99,7 @@ BAD_ARGUMENTS = [
     (["--exchange-only", "--rate", "0mbit"], "positive number"),
     (["--exchange-only", "--methods", "fp32,fp64"], "--methods"),
     (["--exchange-only", "--steps", "0"], "--steps"),
+    (["--exchange-only", "--profile", "-1"], "--profile must be >= 0"),
     (["--train-methods", "fp32,adam"], "--train-methods"),
     (["--train-model", "512,1,3072"], "--train-model"),
     (["--train-model", "100,1,64,8"], "n_heads dividing d_model"),
@@ -343,7 +345,8 @@ def test_co3_on_three_hosts_sends_its_slots_and_records_its_exchange_and_counts(
     assert len(coded) == 3 and all(1.0 < b < 4.0 for b in coded), coded
 
 
-def _measure_in_process(method: str, n: int, n_params: int = 4096, steps: int = 2) -> dict:
+def _measure_in_process(method: str, n: int, n_params: int = 4096, steps: int = 2,
+                        profile: int = 0) -> dict:
   """netbench's record of `method` on n of this process's simulated devices (no wire: only
   what the host reads from the compiled program and the method's state)."""
   import argparse
@@ -352,7 +355,7 @@ def _measure_in_process(method: str, n: int, n_params: int = 4096, steps: int = 
   from loco_jax.apps import netbench_worker
   from loco_jax.train import parallel
   args = argparse.Namespace(params=n_params, steps=steps, warmup=1, hosts=1, nodes=1,
-                            devices_per_host=n, interface="lo")
+                            devices_per_host=n, interface="lo", profile=profile)
   mesh = parallel.data_mesh(n)
   barrier = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, "data"), mesh=mesh,
                                   in_specs=P("data"), out_specs=P()))
@@ -364,7 +367,7 @@ def _measure_in_process(method: str, n: int, n_params: int = 4096, steps: int = 
 @pytest.mark.parametrize("method, n", [("co3-fp4-coded", 2), ("co3-fp4-coded", 4),
                                        ("co3-fp4", 4)])
 def test_co3_methods_record_which_exchange_ran_and_their_coded_bits(method, n):
-  r = _measure_in_process(method, n)
+  r = _measure_in_process(method, n, profile=1 if n == 4 else 0)
   assert r["finite"] and r["counts"] == {"overflows": 0, "rejected": 0}
   assert ("all-to-all" in r["exchange"]) == _co3_per_shard(method, n), r["exchange"]
   assert len(r["gauges"]["coded_bits"]) == n and all(0 < b < 4 for b in r["gauges"]["coded_bits"])
@@ -372,6 +375,34 @@ def test_co3_methods_record_which_exchange_ran_and_their_coded_bits(method, n):
   assert r["conditional_bits_per_param"] > 0
   if method == "co3-fp4-coded":   # the all-gather at 2 devices, the per-shard exchange at 4
     assert _co3_per_shard(method, n) == (n > 2)
+  if n == 4:   # the traced step, split: CO3's coder runs in host callbacks
+    assert r["profile"]["wall_s"] > 0
+    assert all(r["profile"][k] > 0 for k in netbench_profile.KINDS), r["profile"]
+  else:
+    assert r["profile"] is None
+
+
+def test_profile_sums_thunks_by_the_kind_of_their_instruction():
+  hlo = """ENTRY %main {
+  %p = f32[8]{0} parameter(0)
+  %add_fusion.1 = f32[8]{0} fusion(%p), kind=kLoop, calls=%fused
+  %all-to-all.3 = (u8[1,4]{1,0}, u8[1,4]{1,0}) all-to-all(%a, %b), channel_id=1
+  %psum_invariant.7 = f32[] all-reduce(%x), channel_id=2, to_apply=%sum
+  %buffer_callback.2 = (u8[4,9]{1,0}, s32[4]{0}) custom-call(%y), custom_call_target="xla_buffer_python_cpu_callback"
+  %conditional.4 = (f32[1]{0}) conditional(%c, %t, %f), branch_computations={%r1, %r2}
+}"""
+  kinds = netbench_profile.instruction_kinds(hlo)
+  assert kinds == {"add_fusion.1": "compute", "all-to-all.3": "collectives",
+                   "psum_invariant.7": "collectives", "buffer_callback.2": "host_callbacks"}
+  events = [{"ph": "X", "name": "add_fusion.1", "dur": 3000},
+            {"ph": "X", "name": "all-to-all.3", "dur": 5000},
+            {"ph": "X", "name": "psum_invariant.7", "dur": 1000},
+            {"ph": "X", "name": "buffer_callback.2", "dur": 7000},
+            {"ph": "X", "name": "conditional.4", "dur": 99000},   # its thunks are counted
+            {"ph": "X", "name": "Rendezvous", "dur": 99000},      # inside a collective
+            {"ph": "i", "name": "add_fusion.1", "dur": 99000}]
+  assert netbench_profile.thunk_seconds(events, kinds, steps=2) == pytest.approx(
+      {"collectives": 0.003, "host_callbacks": 0.0035, "compute": 0.0015})
 
 
 def test_overflow_steps_add_the_raw_resend_to_the_prediction(monkeypatch):

@@ -44,6 +44,10 @@ def summarize(results: list[dict], hosts: int, rate: str, n_params: int, nodes: 
         "conditional_bits_per_param": rows[0]["conditional_bits_per_param"],
         "collectives": rows[0]["collectives"]}
     record["expected_bits_per_param"] = expected_bits(record)
+    if rows[0].get("profile"):   # netbench_profile: seconds a step of each kind, per host
+      record["profile_per_host"] = [r["profile"] for r in rows]
+      record["profile"] = {k: statistics.mean(r["profile"][k] for r in rows)
+                           for k in rows[0]["profile"]}
     if nodes > 1:
       record.update(_inter_node(rows[0], n_params, nodes, inter_rate, record["predicted_wire_s"]))
     records.append(record)
@@ -239,6 +243,18 @@ def format_state_table(records: list[dict]) -> list[str]:
     cells += [f"{r['gauges'][k]:.3f}" if k in r["gauges"] else "-" for k in gauges]
     lines.append(f"| {r['method']} | {r['hosts']} | {link_setting(r)} | {r['exchange']} | "
                  + " | ".join(cells) + f" | {r['conditional_bits_per_param']:.3f} |")
+  return lines
+
+
+def format_profile_table(records: list[dict]) -> list[str]:
+  """The traced steps (netbench --profile): their wall time and their thunks' by kind."""
+  lines = ["| method | hosts | rate | step ms (timed) | traced step ms | collectives ms | "
+           "host callbacks ms | compute ms |", "|---|---|---|---|---|---|---|---|"]
+  for r in (r for r in records if r.get("profile")):
+    p = {k: f"{v * 1e3:.1f}" for k, v in r["profile"].items()}
+    lines.append(f"| {r['method']} | {r['hosts']} | {link_setting(r)} | {r['step_s'] * 1e3:.1f} "
+                 f"| {p['wall_s']} | {p['collectives']} | {p['host_callbacks']} | "
+                 f"{p['compute']} |")
   return lines
 
 

@@ -11,9 +11,10 @@ import os
 import signal
 import statistics
 import sys
+import tempfile
 import time
 
-from loco_jax.apps import netbench_methods, netns
+from loco_jax.apps import netbench_methods, netbench_profile, netns
 
 # A task whose heartbeats stop this long fails the job: 30 s failed a run on busy cores
 # (docs/NETWORK.md). A host that dies is seen at once by netbench (its exit), one that hangs by
@@ -45,6 +46,8 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--timeout", type=int, required=True, help="seconds before this host gives up")
   p.add_argument("--namespace", required=True, help="this host's namespace (names the process)")
   p.add_argument("--nodes", type=int, default=1, help="nodes of --hosts / --nodes hosts each")
+  p.add_argument("--profile", type=int, default=0,
+                 help="steps traced after the timed ones, their thunks summed by kind (0: none)")
   p.add_argument("--uplinks", default="",
                  help="NAMESPACE:INTERFACE of each node's inter-node link, whose tx_bytes this "
                       "host reads around the timed steps ('': none)")
@@ -255,7 +258,8 @@ def _measure(method: str, args, mesh, barrier, ones, uplinks: list[tuple[str, st
   grads = jax.make_array_from_callback((mesh.size, args.params), NamedSharding(mesh, P(axes)),
                                        lambda idx: _gradient(idx[0].start or 0, args.params))
   step, state = netbench_methods.exchange_step(method, args.params, mesh)
-  found = comm.compiled_collectives(step, grads, state, num_devices=mesh.size)
+  compiled_text = step.lower(grads, state).compile().as_text()
+  found = comm.collectives_per_step(compiled_text, mesh.size)   # comm.compiled_collectives
   node_of = [d.process_index // (args.hosts // args.nodes) for d in mesh.devices.flat]
   inter = netbench_methods.node_sent_bytes(found, node_of) if args.nodes > 1 else None
   for _ in range(args.warmup):
@@ -278,6 +282,15 @@ def _measure(method: str, args, mesh, barrier, ones, uplinks: list[tuple[str, st
   uplinks_sent = [b - a for a, b in zip(uplinks0, _uplinks_sent(uplinks))]
   counts = {name: int(sum(after) - sum(before)) for (name, before), after in
             zip(counts0.items(), _host_values(state, table.counts).values())}
+  profiled = None
+  if args.profile:   # every host runs the same steps: they hold collectives
+    def run_step():
+      nonlocal out, state
+      out, state = step(grads, state)
+      jax.block_until_ready(out)
+    with tempfile.TemporaryDirectory(prefix="netbench-profile-") as folder:
+      profiled = netbench_profile.profile(run_step, compiled_text, args.profile, folder)
+    jax.block_until_ready(barrier(ones))
   # Where the step's time goes: its collectives alone, as compiled (same pieces, same bytes).
   replay = netbench_methods.collectives_replay(found, mesh)
   replay_ones = _ones(mesh, jax)
@@ -288,7 +301,7 @@ def _measure(method: str, args, mesh, barrier, ones, uplinks: list[tuple[str, st
       "method": method, "topology": table.topology, "steps": args.steps,
       # What ran: the step's collectives in order, the conditional ones left out.
       "exchange": " + ".join(dict.fromkeys(c.op for c in found if not c.conditional)),
-      "counts": counts, "gauges": _host_values(state, table.gauges),
+      "counts": counts, "gauges": _host_values(state, table.gauges), "profile": profiled,
       "conditional_steps": counts.get(table.conditional_count, 0),
       "step_s": statistics.median(times), "cpu_s": statistics.median(cpu), "sent_bytes": sent,
       "collectives_s": _median_time(replay, replay_ones, steps=args.steps, jax=jax),
