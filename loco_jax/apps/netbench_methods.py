@@ -129,6 +129,9 @@ METHODS: dict[str, Method] = {
                         "all-gather in the node", hierarchical, "nodes"),
     "two-hop": Method("two_hop: float32 reduce-scatter in the node, LoCo across nodes",
                       _two_hop, "nodes"),
+    "two-hop-quantized": Method("two_hop(gather='quantized'): as two-hop, the averaged node "
+                                "shards back across nodes in 4 bits with their own error",
+                                lambda: _two_hop(gather="quantized"), "nodes"),
     "two-hop-loco": Method("two_hop(intra='loco'): LoCo in the node and across nodes",
                            lambda: _two_hop(intra="loco"), "nodes"),
     # Not in the library: two_hop's hops rebuilt from public parts, with LoCo's bf16 gather
@@ -144,7 +147,7 @@ METHODS: dict[str, Method] = {
 }
 FLAT_DEFAULT = ("fp32", "bf16", "loco", "loco-quantized", "int4", "zero2-fp32", "zero2-loco",
                 "co3-fp4", "co3-fp4-coded")
-TWO_LEVEL_DEFAULT = ("fp32", "fp32-hier", "loco", "two-hop", "two-hop-loco")
+TWO_LEVEL_DEFAULT = ("fp32", "fp32-hier", "loco", "two-hop", "two-hop-quantized", "two-hop-loco")
 
 
 def state_field(state: Any, name: str) -> Any:
