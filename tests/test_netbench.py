@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from loco_jax.apps import netbench, netbench_methods, netbench_report, netns
+from loco_jax.apps import (netbench, netbench_methods, netbench_profile, netbench_report,
+                           netns)
 
 TIMEOUT_S = 150
 
@@ -98,6 +99,7 @@ BAD_ARGUMENTS = [
     (["--exchange-only", "--rate", "0mbit"], "positive number"),
     (["--exchange-only", "--methods", "fp32,fp64"], "--methods"),
     (["--exchange-only", "--steps", "0"], "--steps"),
+    (["--exchange-only", "--profile", "-1"], "--profile must be >= 0"),
     (["--train-methods", "fp32,adam"], "--train-methods"),
     (["--train-model", "512,1,3072"], "--train-model"),
     (["--train-model", "100,1,64,8"], "n_heads dividing d_model"),
@@ -291,3 +293,137 @@ def test_sharded_training_methods_train_and_report_their_wire(method):
   # LoCo's 4-bit reduce-scatter plus the parameter gathers (16 bits each way for fsdp).
   assert 4 < record["predicted_bits_per_param"] < 64
   assert record["overlapped_collectives"] >= 0
+
+
+CO3_METHODS = ("co3-fp4", "co3-fp8", "co3-fp4-coded")
+
+
+def _co3_per_shard(method: str, n: int) -> bool:
+  """Whether co3's own accounting (co3_exchange.predicted_bits at the default capacity) has
+  `method` take the per-shard exchange on n devices: what netbench must record."""
+  import importlib
+  co3 = importlib.import_module("loco_jax.transforms.co3")   # the package exports the factory
+  co3_exchange = importlib.import_module("loco_jax.transforms.co3_exchange")
+  fmt = co3.FORMATS[method.split("-")[1]]
+  gather = "coded" if method.endswith("-coded") else "bf16"
+  bits = co3.default_capacity_bits(fmt)
+  return (co3_exchange.predicted_bits(n, bits, gather, True)
+          < co3_exchange.predicted_bits(n, bits, gather, False))
+
+
+@pytest.mark.slow
+def test_co3_on_three_hosts_sends_its_slots_and_records_its_exchange_and_counts(tmp_path):
+  # Three hosts: co3-fp4-coded runs the per-shard all-to-all and the coded gather on the wire,
+  # co3-fp4 the all-gather of whole coded gradients (co3's own choice at 3 devices).
+  reason = _namespaces_unavailable()
+  if reason:
+    print(f"SKIP: {reason}")
+    pytest.skip(reason)
+  out = tmp_path / "co3.json"
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "GLIBC_TUNABLES")}
+  proc = subprocess.Popen(
+      [sys.executable, "-m", "loco_jax", "netbench", "--hosts", "3", "--rate", "100mbit",
+       "--params", str(2**19), "--methods", "co3-fp4,co3-fp4-coded", "--steps", "3",
+       "--warmup", "1", "--exchange-only", "--timeout", "120", "--json", str(out)],
+      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  try:
+    log = proc.communicate(timeout=TIMEOUT_S)[0]
+  except subprocess.TimeoutExpired:
+    proc.terminate()
+    log = proc.communicate(timeout=30)[0]
+    pytest.fail(f"netbench ran past {TIMEOUT_S} s:\n{log[-3000:]}")
+  tag = f"{netns.PREFIX}{proc.pid}-"
+  assert not [n for n in netns.our_namespaces() if n.startswith(tag)], "namespaces left behind"
+  assert proc.returncode == 0, log[-3000:]
+  assert "overflows (steps)" in log   # the table of what ran and the state's counts
+  records = {r["method"]: r for r in json.loads(out.read_text())}
+  for method, r in records.items():
+    assert ("all-to-all" in r["exchange"]) == _co3_per_shard(method, 3), r["exchange"]
+    assert r["counts"] == {"overflows": 0, "rejected": 0} and r["conditional_steps"] == 0
+    # The slots are sent whole: every host's bytes are the compiled program's prediction.
+    for bits in r["measured_bits_per_host"]:
+      assert abs(bits / r["predicted_bits_per_param"] - 1) <= 0.03, (method, bits, r)
+    coded = r["gauges_per_device"]["coded_bits"]
+    assert len(coded) == 3 and all(1.0 < b < 4.0 for b in coded), coded
+
+
+def _measure_in_process(method: str, n: int, n_params: int = 4096, steps: int = 2,
+                        profile: int = 0) -> dict:
+  """netbench's record of `method` on n of this process's simulated devices (no wire: only
+  what the host reads from the compiled program and the method's state)."""
+  import argparse
+  import jax
+  from jax.sharding import PartitionSpec as P
+  from loco_jax.apps import netbench_worker
+  from loco_jax.train import parallel
+  args = argparse.Namespace(params=n_params, steps=steps, warmup=1, hosts=1, nodes=1,
+                            devices_per_host=n, interface="lo", profile=profile)
+  mesh = parallel.data_mesh(n)
+  barrier = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, "data"), mesh=mesh,
+                                  in_specs=P("data"), out_specs=P()))
+  ones = netbench_worker._ones(mesh, jax)
+  record = netbench_worker._measure(method, args, mesh, barrier, ones, [])
+  return {**record, "host": 0}
+
+
+@pytest.mark.parametrize("method, n", [("co3-fp4-coded", 2), ("co3-fp4-coded", 4),
+                                       ("co3-fp4", 4)])
+def test_co3_methods_record_which_exchange_ran_and_their_coded_bits(method, n):
+  r = _measure_in_process(method, n, profile=1 if n == 4 else 0)
+  assert r["finite"] and r["counts"] == {"overflows": 0, "rejected": 0}
+  assert ("all-to-all" in r["exchange"]) == _co3_per_shard(method, n), r["exchange"]
+  assert len(r["gauges"]["coded_bits"]) == n and all(0 < b < 4 for b in r["gauges"]["coded_bits"])
+  # The raw resend after an overflow is conditional: outside the every-step prediction.
+  assert r["conditional_bits_per_param"] > 0
+  if method == "co3-fp4-coded":   # the all-gather at 2 devices, the per-shard exchange at 4
+    assert _co3_per_shard(method, n) == (n > 2)
+  if n == 4:   # the traced step, split: CO3's coder runs in host callbacks
+    assert r["profile"]["wall_s"] > 0
+    assert all(r["profile"][k] > 0 for k in netbench_profile.KINDS), r["profile"]
+  else:
+    assert r["profile"] is None
+
+
+def test_profile_sums_thunks_by_the_kind_of_their_instruction():
+  hlo = """ENTRY %main {
+  %p = f32[8]{0} parameter(0)
+  %add_fusion.1 = f32[8]{0} fusion(%p), kind=kLoop, calls=%fused
+  %all-to-all.3 = (u8[1,4]{1,0}, u8[1,4]{1,0}) all-to-all(%a, %b), channel_id=1
+  %psum_invariant.7 = f32[] all-reduce(%x), channel_id=2, to_apply=%sum
+  %buffer_callback.2 = (u8[4,9]{1,0}, s32[4]{0}) custom-call(%y), custom_call_target="xla_buffer_python_cpu_callback"
+  %conditional.4 = (f32[1]{0}) conditional(%c, %t, %f), branch_computations={%r1, %r2}
+}"""
+  kinds = netbench_profile.instruction_kinds(hlo)
+  assert kinds == {"add_fusion.1": "compute", "all-to-all.3": "collectives",
+                   "psum_invariant.7": "collectives", "buffer_callback.2": "host_callbacks"}
+  events = [{"ph": "X", "name": "add_fusion.1", "dur": 3000},
+            {"ph": "X", "name": "all-to-all.3", "dur": 5000},
+            {"ph": "X", "name": "psum_invariant.7", "dur": 1000},
+            {"ph": "X", "name": "buffer_callback.2", "dur": 7000},
+            {"ph": "X", "name": "conditional.4", "dur": 99000},   # its thunks are counted
+            {"ph": "X", "name": "Rendezvous", "dur": 99000},      # inside a collective
+            {"ph": "i", "name": "add_fusion.1", "dur": 99000}]
+  assert netbench_profile.thunk_seconds(events, kinds, steps=2) == pytest.approx(
+      {"collectives": 0.003, "host_callbacks": 0.0035, "compute": 0.0015})
+
+
+def test_overflow_steps_add_the_raw_resend_to_the_prediction(monkeypatch):
+  # Slots of 1 bit a symbol: every step's streams overflow and the exchange runs again raw.
+  from loco_jax.transforms import co3
+  tight = netbench_methods.METHODS["co3-fp4-coded"]._replace(
+      make=lambda: co3("fp4", gamma=0.7, axis_name="data", gather="coded",
+                           capacity_bits=1.0))
+  monkeypatch.setitem(netbench_methods.METHODS, "co3-tight", tight)
+  r = _measure_in_process("co3-tight", 4, steps=3)
+  assert r["counts"] == {"overflows": 3, "rejected": 0} and r["conditional_steps"] == 3
+  assert r["finite"]
+  (record,) = netbench_report.summarize([r], 1, "1gbit", 4096)
+  assert record["expected_bits_per_param"] == pytest.approx(
+      record["predicted_bits_per_param"] + record["conditional_bits_per_param"])
+  # Bytes that match the every-step prediction alone fail, and the failure says why.
+  record["measured_bits_per_host"] = [record["predicted_bits_per_param"]]
+  (failure,) = netbench_report.check([record], 0.0)
+  assert "co3-tight" in failure and "conditional collectives, run on 3 of 3" in failure
+  record["measured_bits_per_host"] = [record["expected_bits_per_param"] * 1.005]
+  assert netbench_report.check([record], 0.0) == []
+  assert "3 of 3" in netbench_report.format_state_table([record])[2]

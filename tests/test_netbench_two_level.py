@@ -127,7 +127,9 @@ def test_the_hierarchical_all_reduce_sends_two_thirds_of_the_ring_between_nodes(
   loco, two_hop = bits("loco"), bits("two-hop")
   assert two_hop == bits("hier-loco")
   assert 0.6 < two_hop[0] / loco[0] < 0.65   # bf16 back across nodes: docs/NETWORK.md
-  assert bits("hier-loco-quantized")[0] / loco[0] < 0.3
+  # gather="quantized": 4 bits back across nodes as well, the stand-in's wire exactly.
+  assert bits("two-hop-quantized") == bits("hier-loco-quantized")
+  assert bits("two-hop-quantized")[0] / loco[0] < 0.3
 
 
 @pytest.mark.slow
@@ -137,16 +139,18 @@ def test_the_two_level_methods_average():
   mean = g.astype(np.float64).mean(0)
   placed = jax.device_put(g, NamedSharding(nodes, P(("node", "local"))))
   outputs = {}
-  for name in ("fp32-hier", "two-hop", "hier-loco", "hier-loco-quantized"):
+  for name in ("fp32-hier", "two-hop", "hier-loco", "hier-loco-quantized", "two-hop-quantized"):
     step, state, _ = _built(name)
     outputs[name] = np.asarray(step(placed, state)[0]["w"])
   np.testing.assert_allclose(outputs["fp32-hier"], mean, atol=1e-6)
-  # The prototype rebuilds two_hop's default from public parts: the same first step, within
-  # float rounding; its 4-bit variant is near the mean too (and tracks it over steps through
-  # its error feedback, as loco's quantized gather does).
-  differ = np.abs(outputs["hier-loco"] - outputs["two-hop"]) > 1e-3 * np.abs(mean).max()
-  assert differ.mean() < 0.01   # at most a rare 4-bit code rounded the other way
-  err = np.abs(outputs["hier-loco-quantized"] - mean).mean() / np.abs(mean).mean()
+  # The stand-ins rebuild two_hop's hops from public parts: with either gather across nodes,
+  # the library's first step within float rounding; the 4-bit gather is near the mean too (and
+  # tracks it over steps through its error feedback, as loco's quantized gather does).
+  for stand_in, library in (("hier-loco", "two-hop"),
+                            ("hier-loco-quantized", "two-hop-quantized")):
+    differ = np.abs(outputs[stand_in] - outputs[library]) > 1e-3 * np.abs(mean).max()
+    assert differ.mean() < 0.01, library   # at most a rare 4-bit code rounded the other way
+  err = np.abs(outputs["two-hop-quantized"] - mean).mean() / np.abs(mean).mean()
   assert err < 0.5
 
 
@@ -236,14 +240,10 @@ def test_a_signal_mid_run_removes_every_namespace_and_host(signum):
   assert not _processes_with(tag), "host processes left behind"
 
 
-@pytest.mark.slow
-def test_two_levels_on_the_wire_the_hierarchical_all_reduce_crosses_less(tmp_path):
-  _skip_without_namespaces()
-  out = tmp_path / "two_levels.json"
-  proc = _netbench("--nodes", "2", "--hosts", "4", "--rate", "1gbit", "--inter-rate", "100mbit",
-                   "--params", str(2**16), "--methods", "fp32,fp32-hier", "--steps", "3",
-                   "--warmup", "1", "--exchange-only", "--min-rate-fraction", "0",
-                   "--timeout", "180", "--json", str(out))
+def _run_netbench(*argv: str) -> tuple[subprocess.Popen, str]:
+  """netbench run to its end (terminated past TIMEOUT_S); its process and output, after checking
+  that it left no namespace and no host behind."""
+  proc = _netbench(*argv)
   try:
     log = proc.communicate(timeout=TIMEOUT_S)[0]
   except subprocess.TimeoutExpired:
@@ -252,6 +252,36 @@ def test_two_levels_on_the_wire_the_hierarchical_all_reduce_crosses_less(tmp_pat
     pytest.fail(f"netbench ran past {TIMEOUT_S} s:\n{log[-3000:]}")
   tag = f"{netns.PREFIX}{proc.pid}-"
   assert not _ours(tag) and not _processes_with(tag), "namespaces or hosts left behind"
+  return proc, log
+
+
+def test_two_hop_quantized_on_the_wire_sends_a_quarter_of_flat_locos_bytes_between_nodes(
+    tmp_path):
+  _skip_without_namespaces()
+  out = tmp_path / "two_hop.json"
+  proc, log = _run_netbench(
+      "--nodes", "2", "--hosts", "4", "--rate", "1gbit", "--inter-rate", "200mbit",
+      "--params", str(2**20), "--methods", "loco,two-hop-quantized", "--steps", "2",
+      "--warmup", "1", "--exchange-only", "--min-rate-fraction", "0", "--timeout", "180",
+      "--json", str(out))
+  assert proc.returncode == 0, log[-3000:]   # every count within 2% of the prediction
+  records = {r["method"]: r for r in json.loads(out.read_text())}
+  loco, quantized = records["loco"], records["two-hop-quantized"]
+  assert quantized["topology"] == "nodes" and quantized["finite"], quantized
+  # 4 bits out and 4 back across nodes for half a leaf a device, against flat loco's ring
+  # that crosses on two edges (docs/NETWORK.md, "Two levels").
+  ratio = quantized["measured_inter_bits_per_param"] / loco["measured_inter_bits_per_param"]
+  assert 0.2 < ratio < 0.3, ratio
+
+
+@pytest.mark.slow
+def test_two_levels_on_the_wire_the_hierarchical_all_reduce_crosses_less(tmp_path):
+  _skip_without_namespaces()
+  out = tmp_path / "two_levels.json"
+  proc, log = _run_netbench(
+      "--nodes", "2", "--hosts", "4", "--rate", "1gbit", "--inter-rate", "100mbit",
+      "--params", str(2**16), "--methods", "fp32,fp32-hier", "--steps", "3", "--warmup", "1",
+      "--exchange-only", "--min-rate-fraction", "0", "--timeout", "180", "--json", str(out))
   assert proc.returncode == 0, log[-3000:]   # every count within 2% of the prediction
   records = {r["method"]: r for r in json.loads(out.read_text())}
   flat, hier = records["fp32"], records["fp32-hier"]

@@ -78,6 +78,10 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--devices-per-host", type=int, default=1)
   p.add_argument("--steps", type=int, default=5, help="timed steps (the median is reported)")
   p.add_argument("--warmup", type=int, default=2)
+  p.add_argument("--profile", type=int, default=0,
+                 help="after the timed steps, trace this many more on every host (jax.profiler) "
+                      "and split the step into collectives, host callbacks and compute "
+                      "(default 0: no trace)")
   p.add_argument("--timeout", type=int, default=900,
                  help="seconds a rate's whole run may take before every host is stopped")
   p.add_argument("--min-rate-fraction", type=float, default=MIN_RATE_FRACTION,
@@ -180,8 +184,9 @@ def _check_args(args) -> list[tuple[str, str | None]]:
     raise ValueError(f"--params {args.params} on {args.hosts} hosts x {args.devices_per_host} "
                      f"devices needs at least {needed / 2**30:.1f} GiB, more than this machine's "
                      f"{memory / 2**30:.1f} GiB")
-  if args.warmup < 0:
-    raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
+  for name in ("warmup", "profile"):
+    if getattr(args, name) < 0:
+      raise ValueError(f"--{name} must be >= 0, got {getattr(args, name)}")
   if not 0 <= args.min_rate_fraction <= 1:
     raise ValueError(f"--min-rate-fraction must be in [0, 1], got {args.min_rate_fraction}")
   if (args.nodes > 1) != (args.inter_rate is not None):
@@ -239,7 +244,8 @@ def run_hosts(net: netns.Network, args, workdir: str) -> list[dict]:
              "--interface", host.interface, "--params", str(args.params),
              "--methods", args.methods, "--steps", str(args.steps), "--warmup", str(args.warmup),
              "--devices-per-host", str(args.devices_per_host), "--timeout", str(args.timeout),
-             "--namespace", host.namespace, "--nodes", str(args.nodes)]
+             "--namespace", host.namespace, "--nodes", str(args.nodes),
+             "--profile", str(args.profile)]
       if i == 0 and net.uplinks:   # host 0 reads every node's inter-node counter
         cmd += ["--uplinks", ",".join(f"{u.namespace}:{u.interface}" for u in net.uplinks)]
       if not args.exchange_only:
@@ -318,6 +324,13 @@ def _measure_all(args, settings: list[tuple[str, str | None]]) -> list[dict]:
 
 def _print_tables(args, exchanges: list[dict], training: list[dict]) -> None:
   print("\n".join(report.format_table(exchanges)))
+  state = report.format_state_table(exchanges)
+  if state:
+    print("\nWhat ran, and the methods' own counts over the timed steps:")
+    print("\n".join(state))
+  if args.profile:
+    print(f"\nWhere a step's time goes ({args.profile} traced steps, the mean of the hosts):")
+    print("\n".join(report.format_profile_table(exchanges)))
   if args.nodes > 1:
     print("\nTwo levels (inter-node bits: every node's uplink counter, all nodes together):")
     print("\n".join(report.format_two_level_table(exchanges)))

@@ -22,12 +22,20 @@ class Method(NamedTuple):
   come back as whole parameters through an all-gather in this dtype. check_vma: shard_map's
   type check of what varies over which axis (off where a transformation over the node axis
   runs on each device's own shard: the check would take that shard for a model-split leaf).
+  counts: integer fields of the transformation's state that count steps (CO3's `overflows`,
+  `rejected`), reported as their increase over the timed steps. gauges: fields reported as
+  their values after the last timed step (CO3's per-device `coded_bits`). conditional_count:
+  the one of `counts` that counts the steps which ran the step's conditional collectives (CO3's
+  raw resend after an overflow): each such step adds their bytes to the prediction.
   """
   help: str
   make: Callable[[], Any]
   topology: str = "flat"
   param_dtype: str | None = None
   check_vma: bool = True
+  counts: tuple[str, ...] = ()
+  gauges: tuple[str, ...] = ()
+  conditional_count: str | None = None
 
 
 def _lib(module: str):
@@ -88,6 +96,14 @@ def _loco(**kwargs):
   return _lib("transforms.loco").loco(axis_name="data", **kwargs)
 
 
+def _co3(help_text: str, fmt: str, gather: str = "bf16") -> Method:
+  """CO3 at gamma 0.7 with `exchange="auto"`: the record's `exchange` says which one ran."""
+  return Method(help_text, lambda: _lib("transforms.co3").co3(fmt, gamma=0.7, axis_name="data",
+                                                               gather=gather),
+                counts=("overflows", "rejected"), gauges=("coded_bits",),
+                conditional_count="overflows")
+
+
 METHODS: dict[str, Method] = {
     "fp32": Method("float32 all-reduce (gloo's ring)",
                    lambda: _lib("transforms.baselines").uncompressed("data")),
@@ -103,12 +119,19 @@ METHODS: dict[str, Method] = {
                          param_dtype="float32"),
     "zero2-loco": Method("ZeRO-2: LoCo scatter=True + bf16 parameter all-gather",
                          lambda: _loco(scatter=True), param_dtype="bfloat16"),
-    "co3": Method("CO3: Huffman-coded fp4 all-gather",
-                  lambda: _lib("transforms.co3").co3(axis_name="data")),
+    "co3-fp4": _co3("CO3 fp4 in Huffman-coded slots: the all-gather of whole coded gradients "
+                    "where it sends less than the per-shard all-to-all + bf16 gather",
+                    "fp4"),
+    "co3-fp8": _co3("CO3 fp8, its exchange chosen as co3-fp4's", "fp8"),
+    "co3-fp4-coded": _co3("CO3 fp4, per-shard coded all-to-all + coded gather of the averaged "
+                          "shards (2 devices: the all-gather)", "fp4", gather="coded"),
     "fp32-hier": Method("float32: reduce-scatter in the node, all-reduce across nodes, "
                         "all-gather in the node", hierarchical, "nodes"),
     "two-hop": Method("two_hop: float32 reduce-scatter in the node, LoCo across nodes",
                       _two_hop, "nodes"),
+    "two-hop-quantized": Method("two_hop(gather='quantized'): as two-hop, the averaged node "
+                                "shards back across nodes in 4 bits with their own error",
+                                lambda: _two_hop(gather="quantized"), "nodes"),
     "two-hop-loco": Method("two_hop(intra='loco'): LoCo in the node and across nodes",
                            lambda: _two_hop(intra="loco"), "nodes"),
     # Not in the library: two_hop's hops rebuilt from public parts, with LoCo's bf16 gather
@@ -123,8 +146,22 @@ METHODS: dict[str, Method] = {
             axis_name=NODE, gather="quantized")), "nodes", check_vma=False),
 }
 FLAT_DEFAULT = ("fp32", "bf16", "loco", "loco-quantized", "int4", "zero2-fp32", "zero2-loco",
-                "co3")
-TWO_LEVEL_DEFAULT = ("fp32", "fp32-hier", "loco", "two-hop", "two-hop-loco")
+                "co3-fp4", "co3-fp4-coded")
+TWO_LEVEL_DEFAULT = ("fp32", "fp32-hier", "loco", "two-hop", "two-hop-quantized", "two-hop-loco")
+
+
+def state_field(state: Any, name: str) -> Any:
+  """The field `name` of the first NamedTuple in `state` (depth first) that has one; a
+  KeyError if none has."""
+  if hasattr(state, "_fields") and name in state._fields:
+    return getattr(state, name)
+  if isinstance(state, (tuple, list)):
+    for part in state:
+      try:
+        return state_field(part, name)
+      except KeyError:
+        pass
+  raise KeyError(f"no state field {name!r}")
 
 
 def mesh_axes(mesh) -> str | tuple[str, ...]:

@@ -31,7 +31,23 @@ def summarize(results: list[dict], hosts: int, rate: str, n_params: int, nodes: 
         "predicted_wire_s": predicted * n_params / netns.rate_bits(rate),
         "finite": all(r["finite"] for r in rows),
         "host_malloc": rows[0]["malloc"],
+        "exchange": rows[0]["exchange"],
+        # The state's step counts (the same on every host where they are replicated), and
+        # its gauges: every device's value after the last timed step, and their mean.
+        "counts": {k: max(r["counts"][k] for r in rows) for k in rows[0]["counts"]},
+        "gauges": {k: statistics.mean(v for r in rows for v in r["gauges"][k])
+                   for k in rows[0]["gauges"]},
+        "gauges_per_device": {k: [v for r in rows for v in r["gauges"][k]]
+                              for k in rows[0]["gauges"]},
+        "steps": rows[0]["steps"],
+        "conditional_steps": max(r["conditional_steps"] for r in rows),
+        "conditional_bits_per_param": rows[0]["conditional_bits_per_param"],
         "collectives": rows[0]["collectives"]}
+    record["expected_bits_per_param"] = expected_bits(record)
+    if rows[0].get("profile"):   # netbench_profile: seconds a step of each kind, per host
+      record["profile_per_host"] = [r["profile"] for r in rows]
+      record["profile"] = {k: statistics.mean(r["profile"][k] for r in rows)
+                           for k in rows[0]["profile"]}
     if nodes > 1:
       record.update(_inter_node(rows[0], n_params, nodes, inter_rate, record["predicted_wire_s"]))
     records.append(record)
@@ -116,6 +132,13 @@ def format_training_table(records: list[dict]) -> list[str]:
   return lines
 
 
+def expected_bits(record: dict) -> float:
+  """Bits a parameter per step the compiled program sends over the timed steps: every step's
+  collectives, plus the conditional ones on the steps that ran them (CO3's raw resend)."""
+  share = record.get("conditional_steps", 0) / record.get("steps", 1)
+  return record["predicted_bits_per_param"] + share * record.get("conditional_bits_per_param", 0)
+
+
 def _off(measured: list[float], predicted: float) -> float:
   return max(abs(b / predicted - 1) for b in measured)
 
@@ -127,10 +150,11 @@ def check(records: list[dict], min_rate_fraction: float) -> list[str]:
   failures = []
   for r in records:
     where = f"{r['method']} at {link_setting(r)}"
-    worst = _off(r["measured_bits_per_host"], r["predicted_bits_per_param"])
+    expected = expected_bits(r)
+    worst = _off(r["measured_bits_per_host"], expected)
     if worst > BITS_TOLERANCE:
       failures.append(f"{where}: a host sent {worst:.1%} off the predicted "
-                      f"{r['predicted_bits_per_param']:.2f} bits/param")
+                      f"{expected:.2f} bits/param{_conditional_note(r)}")
     for k, (got, want) in enumerate(zip(r.get("measured_inter_bits_per_node") or [],
                                         r.get("predicted_inter_bits_per_node") or [])):
       if want > 0 and abs(got / want - 1) > BITS_TOLERANCE:
@@ -160,6 +184,14 @@ def check_training(records: list[dict]) -> list[str]:
   return failures
 
 
+def _conditional_note(record: dict) -> str:
+  if not record.get("conditional_steps"):
+    return ""
+  return (f" (of which {expected_bits(record) - record['predicted_bits_per_param']:.2f} from "
+          f"the conditional collectives, run on {record['conditional_steps']} of "
+          f"{record['steps']} timed steps)")
+
+
 def link_setting(record: dict) -> str:
   """'1gbit', or on two levels '10gbit in / 1gbit between nodes'."""
   if record.get("nodes", 1) > 1:
@@ -182,13 +214,47 @@ def format_table(records: list[dict]) -> list[str]:
            "wire ms (pred.) | % of rate | bits/param sent | predicted | diff |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in records:
-    diff = r["measured_bits_per_param"] / r["predicted_bits_per_param"] - 1
+    expected = expected_bits(r)
+    diff = r["measured_bits_per_param"] / expected - 1
     lines.append(
         f"| {r['method']} | {r['hosts']} | {r['rate']} | {r['n_params']} | "
         f"{r['step_s'] * 1e3:.1f} | {r['cpu_s'] * 1e3:.1f} | {r['collectives_s'] * 1e3:.1f} | "
         f"{r['predicted_wire_s'] * 1e3:.1f} | "
         f"{rate_fraction(r):.0%} | {r['measured_bits_per_param']:.3f} | "
-        f"{r['predicted_bits_per_param']:.3f} | {diff:+.2%} |")
+        f"{expected:.3f} | {diff:+.2%} |")
+  return lines
+
+
+def format_state_table(records: list[dict]) -> list[str]:
+  """The methods whose state netbench reads (`Method.counts`, `gauges`): which collectives
+  ran, each count over the timed steps, each gauge's mean over the devices, and the bits of
+  the conditional collectives a step that ran them added."""
+  records = [r for r in records if r.get("counts") or r.get("gauges")]
+  if not records:
+    return []
+  counts = list(dict.fromkeys(k for r in records for k in r["counts"]))
+  gauges = list(dict.fromkeys(k for r in records for k in r["gauges"]))
+  lines = ["| method | hosts | rate | exchange (collectives) | "
+           + " | ".join([f"{k} (steps)" for k in counts] + gauges)
+           + " | conditional bits/param a step |",
+           "|---|---|---|---|" + "---|" * (len(counts) + len(gauges) + 1)]
+  for r in records:
+    cells = [f"{r['counts'][k]} of {r['steps']}" if k in r["counts"] else "-" for k in counts]
+    cells += [f"{r['gauges'][k]:.3f}" if k in r["gauges"] else "-" for k in gauges]
+    lines.append(f"| {r['method']} | {r['hosts']} | {link_setting(r)} | {r['exchange']} | "
+                 + " | ".join(cells) + f" | {r['conditional_bits_per_param']:.3f} |")
+  return lines
+
+
+def format_profile_table(records: list[dict]) -> list[str]:
+  """The traced steps (netbench --profile): their wall time and their thunks' by kind."""
+  lines = ["| method | hosts | rate | step ms (timed) | traced step ms | collectives ms | "
+           "host callbacks ms | compute ms |", "|---|---|---|---|---|---|---|---|"]
+  for r in (r for r in records if r.get("profile")):
+    p = {k: f"{v * 1e3:.1f}" for k, v in r["profile"].items()}
+    lines.append(f"| {r['method']} | {r['hosts']} | {link_setting(r)} | {r['step_s'] * 1e3:.1f} "
+                 f"| {p['wall_s']} | {p['collectives']} | {p['host_callbacks']} | "
+                 f"{p['compute']} |")
   return lines
 
 

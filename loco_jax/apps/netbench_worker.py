@@ -11,9 +11,10 @@ import os
 import signal
 import statistics
 import sys
+import tempfile
 import time
 
-from loco_jax.apps import netbench_methods, netns
+from loco_jax.apps import netbench_methods, netbench_profile, netns
 
 # A task whose heartbeats stop this long fails the job: 30 s failed a run on busy cores
 # (docs/NETWORK.md). A host that dies is seen at once by netbench (its exit), one that hangs by
@@ -45,6 +46,8 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--timeout", type=int, required=True, help="seconds before this host gives up")
   p.add_argument("--namespace", required=True, help="this host's namespace (names the process)")
   p.add_argument("--nodes", type=int, default=1, help="nodes of --hosts / --nodes hosts each")
+  p.add_argument("--profile", type=int, default=0,
+                 help="steps traced after the timed ones, their thunks summed by kind (0: none)")
   p.add_argument("--uplinks", default="",
                  help="NAMESPACE:INTERFACE of each node's inter-node link, whose tx_bytes this "
                       "host reads around the timed steps ('': none)")
@@ -230,10 +233,22 @@ def _uplinks_sent(uplinks: list[tuple[str, str]]) -> list[int]:
   return [netns.link_bytes(namespace, interface)[0] for namespace, interface in uplinks]
 
 
+def _host_values(state, names: tuple[str, ...]) -> dict[str, list[float]]:
+  """Each named state field's values on this host's devices (netbench_methods.state_field)."""
+  import numpy as np
+  values = {}
+  for name in names:
+    x = netbench_methods.state_field(state, name)
+    shards = x.addressable_shards[:1] if x.is_fully_replicated else x.addressable_shards
+    values[name] = np.concatenate([np.asarray(s.data).ravel() for s in shards]).tolist()
+  return values
+
+
 def _measure(method: str, args, mesh, barrier, ones, uplinks: list[tuple[str, str]]) -> dict:
   """This host's record of `method`'s exchange on `mesh`: its median step and CPU time, the
   bytes it sent (and, with `uplinks`, every node's bytes to the others) over the timed steps,
-  the compiled program's prediction of both, and the step's collectives alone."""
+  the compiled program's prediction of both, the step's collectives alone, and the method's
+  state counts over the timed steps and gauges after them."""
   import jax
   import numpy as np
   from jax.sharding import NamedSharding
@@ -243,7 +258,8 @@ def _measure(method: str, args, mesh, barrier, ones, uplinks: list[tuple[str, st
   grads = jax.make_array_from_callback((mesh.size, args.params), NamedSharding(mesh, P(axes)),
                                        lambda idx: _gradient(idx[0].start or 0, args.params))
   step, state = netbench_methods.exchange_step(method, args.params, mesh)
-  found = comm.compiled_collectives(step, grads, state, num_devices=mesh.size)
+  compiled_text = step.lower(grads, state).compile().as_text()
+  found = comm.collectives_per_step(compiled_text, mesh.size)   # comm.compiled_collectives
   node_of = [d.process_index // (args.hosts // args.nodes) for d in mesh.devices.flat]
   inter = netbench_methods.node_sent_bytes(found, node_of) if args.nodes > 1 else None
   for _ in range(args.warmup):
@@ -252,6 +268,8 @@ def _measure(method: str, args, mesh, barrier, ones, uplinks: list[tuple[str, st
   jax.block_until_ready(barrier(ones))   # every host has finished the warm-up
   uplinks0 = _uplinks_sent(uplinks)
   jax.block_until_ready(barrier(ones))   # ... and the uplinks' counters are read
+  table = netbench_methods.METHODS[method]
+  counts0 = _host_values(state, table.counts)
   tx0, times, cpu = _tx_bytes(args.interface), [], []
   for _ in range(args.steps):
     t0, c0 = time.perf_counter(), time.process_time()
@@ -262,6 +280,17 @@ def _measure(method: str, args, mesh, barrier, ones, uplinks: list[tuple[str, st
   jax.block_until_ready(barrier(ones))  # the peers have received all this host sent
   sent = _tx_bytes(args.interface) - tx0
   uplinks_sent = [b - a for a, b in zip(uplinks0, _uplinks_sent(uplinks))]
+  counts = {name: int(sum(after) - sum(before)) for (name, before), after in
+            zip(counts0.items(), _host_values(state, table.counts).values())}
+  profiled = None
+  if args.profile:   # every host runs the same steps: they hold collectives
+    def run_step():
+      nonlocal out, state
+      out, state = step(grads, state)
+      jax.block_until_ready(out)
+    with tempfile.TemporaryDirectory(prefix="netbench-profile-") as folder:
+      profiled = netbench_profile.profile(run_step, compiled_text, args.profile, folder)
+    jax.block_until_ready(barrier(ones))
   # Where the step's time goes: its collectives alone, as compiled (same pieces, same bytes).
   replay = netbench_methods.collectives_replay(found, mesh)
   replay_ones = _ones(mesh, jax)
@@ -269,12 +298,20 @@ def _measure(method: str, args, mesh, barrier, ones, uplinks: list[tuple[str, st
   jax.block_until_ready(barrier(ones))
   per_step = args.steps * args.params
   return {
-      "method": method, "topology": netbench_methods.METHODS[method].topology,
+      "method": method, "topology": table.topology, "steps": args.steps,
+      # What ran: the step's collectives in order, the conditional ones left out.
+      "exchange": " + ".join(dict.fromkeys(c.op for c in found if not c.conditional)),
+      "counts": counts, "gauges": _host_values(state, table.gauges), "profile": profiled,
+      "conditional_steps": counts.get(table.conditional_count, 0),
       "step_s": statistics.median(times), "cpu_s": statistics.median(cpu), "sent_bytes": sent,
       "collectives_s": _median_time(replay, replay_ones, steps=args.steps, jax=jax),
       "measured_bits_per_param": 8 * sent / per_step,
       "predicted_bits_per_param": comm.wire_bits_per_param(found, args.params)
                                   * args.devices_per_host,
+      # A step that runs the conditional collectives (table.conditional_count) sends this more.
+      "conditional_bits_per_param": (comm.wire_bits_per_param(found, args.params, True)
+                                     - comm.wire_bits_per_param(found, args.params))
+                                    * args.devices_per_host,
       "measured_inter_bits_per_node": [8 * b / per_step for b in uplinks_sent] or None,
       "predicted_inter_bits_per_node": None if inter is None else [8 * b / args.params
                                                                    for b in inter],
