@@ -255,6 +255,7 @@ def _run_netbench(*argv: str) -> tuple[subprocess.Popen, str]:
   return proc, log
 
 
+@pytest.mark.slow
 def test_two_hop_quantized_on_the_wire_sends_a_quarter_of_flat_locos_bytes_between_nodes(
     tmp_path):
   _skip_without_namespaces()
