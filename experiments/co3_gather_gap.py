@@ -1,22 +1,21 @@
 """Why co3-fp4 with the coded gather trains worse than with the bf16 gather: the demo's run with
-variants of the averaged shard's second conversion, and what each conversion loses.
+variants of the exchange, and what the conversion loses.
 
-  python experiments/co3_gather_gap.py --variants base,shard-ef1 --seeds 0,1 [--steps 300]
+  python experiments/co3_gather_gap.py --variants bf16,coded,bf16-agreed --seeds 0,1
 
-Every variant is the demo's co3-fp4 (8 simulated devices, adamw, gamma 0.7) with the coded
-gather, except:
-- bf16: the bf16 gather (no second conversion), the reference;
-- base: the library's coded gather as it is;
-- shard-ef<g>: the shard's error fed back with gamma g (e.g. shard-ef1: classic error feedback);
-- shard-refit: the shard's scale refitted every step (gamma as the library's);
-- shard-ef1-refit: both;
-- ef1: gamma 1 in both conversions.
-The script wraps co3's two conversion functions for the run (a hook of this experiment, not an
-option of the library).
+Every variant is the demo's co3-fp4 (8 simulated devices, adamw, gamma 0.7):
+- bf16: the bf16 gather, each device at its own scales (the reference);
+- coded: the library's coded gather (the exact sums of the levels; the devices' scales agreed,
+  `co3_exchange.agree_scales`);
+- bf16-agreed: the bf16 gather with the scales agreed as the coded gather agrees them;
+- coded-<rule>: the coded gather with the scales agreed otherwise (geomean: the geometric mean
+  of the devices' scales, max: the largest).
+The script wraps co3's functions for the run (a hook of this experiment, not an option of the
+library). The variants of the gather that converted the averaged shard to fp4 again (the
+shard's gamma, its refit) ran with this script at commit 338554f, against that library.
 
-Per step and conversion (1: each device's gradient, 2: the averaged shard), it records the
-relative error ||Q(a) - a|| / ||a|| and the fraction of non-zero values of a that round to 0
-(fp4's dead zone, |a| below a quarter of the smallest level), averaged over devices and steps.
+Per step it records the conversion's relative error ||Q(a) - a|| / ||a|| and the fraction of
+non-zero values of a that round to 0 (fp4's dead zone), averaged over devices and steps.
 Prints one JSON record per (variant, seed).
 """
 
@@ -80,55 +79,48 @@ def _observed(recorder, stage, stats, like):
   return like + 0 * leaves.vary_like(receipt, like)
 
 
-def install(recorder, shard_gamma, shard_refit):
-  """Wraps co3's two conversions to record their losses; sets the shard's gamma and refit."""
+def install(recorder, agree_rule):
+  """Wraps co3's conversion to record its losses; sets how (and whether) scales are agreed."""
+  import jax
   import jax.numpy as jnp
   co3_module = importlib.import_module("loco_jax.transforms.co3")
   from loco_jax.transforms import co3_exchange
-  convert, coded_shard = co3_module.convert, co3_exchange._coded_shard
+  convert = co3_module.convert
 
-  def recorded_convert(settings, grads, errors, scales, refit):
-    out = convert(settings, grads, errors, scales, refit)
+  def recorded_convert(settings, grads, errors, scales, refit, agree=False):
+    out = convert(settings, grads, errors, scales, refit, agree)
     stats = _stats(settings.fmt, out.compensated, out.symbols, out.scales)
     return out._replace(scales=_observed(recorder, 1, stats, out.scales))
 
-  def recorded_shard(settings, shards, shard, refit):
-    if shard_gamma is not None:
-      settings = settings._replace(gamma=shard_gamma)
-    if shard_refit:
-      refit = jnp.bool_(True)
-    symbols, scales, new = coded_shard(settings, shards, shard, refit)
-    compensated = [e + co3_exchange.fp.decode(q, settings.fmt, s)
-                   for e, q, s in zip(new.errors, symbols, scales)]
-    stats = _stats(settings.fmt, compensated, symbols, scales)
-    return symbols, _observed(recorder, 2, stats, scales), new
-
   co3_module.convert = recorded_convert
-  co3_exchange._coded_shard = recorded_shard
+  if agree_rule == "always":  # the bf16 gather too
+    co3_exchange.sums_levels = lambda settings, n: n > 1
+  elif agree_rule == "geomean":
+    co3_exchange.agree_scales = lambda settings, scales: jnp.exp(
+        jax.lax.pmean(jnp.log(scales), settings.axis_name))
+  elif agree_rule == "max":
+    co3_exchange.agree_scales = lambda settings, scales: jax.lax.pmax(scales,
+                                                                      settings.axis_name)
 
 
-VARIANTS = {  # name -> (gather, first gamma, shard gamma, shard refit every step)
-    "bf16": ("bf16", 0.7, None, False),
-    "base": ("coded", 0.7, None, False),
-    "shard-ef1": ("coded", 0.7, 1.0, False),
-    "shard-ef0.9": ("coded", 0.7, 0.9, False),
-    "shard-ef0": ("coded", 0.7, 0.0, False),
-    "shard-refit": ("coded", 0.7, None, True),
-    "shard-ef1-refit": ("coded", 0.7, 1.0, True),
-    "ef1": ("coded", 1.0, 1.0, False),
-    "ef1-bf16": ("bf16", 1.0, None, False),
+VARIANTS = {  # name -> (gather, how scales are agreed: None as the library does)
+    "bf16": ("bf16", None),
+    "coded": ("coded", None),
+    "bf16-agreed": ("bf16", "always"),
+    "coded-geomean": ("coded", "geomean"),
+    "coded-max": ("coded", "max"),
 }
 
 
 def run(variant: str, seed: int, steps: int) -> dict:
   from loco_jax.apps import demo
   from loco_jax.transforms.co3 import co3
-  gather, gamma, shard_gamma, shard_refit = VARIANTS[variant]
+  gather, agree_rule = VARIANTS[variant]
   recorder = Recorder()
-  install(recorder, shard_gamma, shard_refit)
+  install(recorder, agree_rule)
   config = demo.DemoConfig(steps=steps, seed=seed)
   name = "co3-fp4" if gather == "bf16" else "co3-fp4-coded"
-  result = demo.run_method(name, co3("fp4", gamma=gamma, axis_name=demo.AXIS, gather=gather),
+  result = demo.run_method(name, co3("fp4", gamma=0.7, axis_name=demo.AXIS, gather=gather),
                            config, demo.load_corpus(config))
   return {"variant": variant, "seed": seed, "steps": steps,
           "eval_loss": round(result.eval_loss, 4), "final_loss": round(result.final_loss, 4),
@@ -138,7 +130,7 @@ def run(variant: str, seed: int, steps: int) -> dict:
 
 def main(argv=None) -> None:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--variants", default="bf16,base,shard-ef1")
+  p.add_argument("--variants", default="bf16,coded,bf16-agreed")
   p.add_argument("--seeds", default="0")
   p.add_argument("--steps", type=int, default=300)
   args = p.parse_args(argv)
@@ -148,13 +140,13 @@ def main(argv=None) -> None:
     p.error(f"unknown variants {unknown}; accepted: {', '.join(VARIANTS)}")
   from loco_jax.apps import demo
   demo.setup_devices(demo.DemoConfig().devices)
-  co3_module = importlib.import_module("loco_jax.transforms.co3")
   from loco_jax.transforms import co3_exchange
-  originals = co3_module.convert, co3_exchange._coded_shard
+  co3_module = importlib.import_module("loco_jax.transforms.co3")
+  originals = co3_module.convert, co3_exchange.sums_levels, co3_exchange.agree_scales
   for seed in [int(s) for s in args.seeds.split(",")]:
     for variant in variants:
       print(json.dumps(run(variant, seed, args.steps)), flush=True)
-      co3_module.convert, co3_exchange._coded_shard = originals
+      co3_module.convert, co3_exchange.sums_levels, co3_exchange.agree_scales = originals
 
 
 if __name__ == "__main__":

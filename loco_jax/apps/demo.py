@@ -272,18 +272,23 @@ def co3_record(states: Sequence[Any], found: Sequence[Any], n_params: int, devic
                gather: str) -> dict[str, Any]:
   """What a co3 run measured beside what its compiled program sends: the coded bits a symbol
   (mean over steps and devices), the gradient slots' bits from the HLO (the capacity: what is
-  sent), the wire bits co3_exchange.predicted_bits gives for those slots, overflow and
-  rejected steps."""
+  sent) and the gather's (bits an element of the averaged shard), the wire bits
+  co3_exchange.predicted_bits gives for those slots, overflow and rejected steps."""
   from loco_jax import comm
   from loco_jax.transforms import co3_exchange
   last = states[-1]
   slot_bits = gradient_bits(found, n_params)
   per_shard = any(c.op == "all-to-all" for c in gradient_collectives(found))
+  gathers = [c for c in found if c.op == "all-gather" and c.nbytes > _SCALAR_BYTES
+             and not c.conditional]
+  gather_bits = (8.0 * sum(c.nbytes / c.group_size for c in gathers) * devices / n_params
+                 if per_shard else 0.0)
   return {"exchange": "all_to_all" if per_shard else "all_gather", "gather": gather,
           "coded_bits": round(float(np.mean([np.mean(s.coded_bits) for s in states])), 4),
           "slot_bits_per_param": round(slot_bits, 4),
+          "gather_bits_per_element": round(gather_bits, 4),
           "predicted_wire_bits": round(co3_exchange.predicted_bits(
-              devices, slot_bits, gather, per_shard), 4),
+              devices, slot_bits, gather_bits, per_shard), 4),
           "wire_bits_with_overflow_path": round(comm.wire_bits_per_param(
               found, n_params, include_conditional=True), 4),
           "overflow_steps": int(last.overflows), "rejected_steps": int(last.rejected),
@@ -359,7 +364,7 @@ def run_method(name: str, compressor, config: DemoConfig, corpus: Corpus,
     times.append(time.perf_counter() - t0)
     if name in CO3_METHODS:  # the counters and measured bits, not the errors
       co3_states.append(jax.device_get(state.compressor_state._replace(
-          error=None, scale=None, shard_error=None, shard_scale=None)))
+          error=None, scale=None)))
     if observe:
       observe(state, i + 1)
     if progress:
