@@ -113,9 +113,13 @@ def test_coded_gather_returns_the_exact_mean_at_the_agreed_scales(n):
   grads = _grads(5, n)
   step, state = _step(co3("fp4", axis_name="data", gather="coded"), n)
   out, after = step(grads, state)
+  own_step, own_state = _step(co3("fp4", axis_name="data", exchange="all_to_all"), n)
+  own = own_step(grads, own_state)[1].scale  # the bf16 gather: each device at its own scale
   scales = {k: np.asarray(after.scale[k]).reshape(n) for k in PARAMS}
   for k in PARAMS:  # every device converted at the smallest of the devices' own scales
-    assert np.all(scales[k] == scales[k][0])
+    own_k = np.asarray(own[k]).reshape(n)
+    assert len(set(own_k.tolist())) > 1, k  # the devices' own scales differ: agreement shows
+    np.testing.assert_array_equal(scales[k], np.full(n, own_k.min()))
   for k in PARAMS:  # what each device sent: its compensated gradient at the agreed scale
     x = np.asarray(grads[k], np.float32).reshape(n, -1)
     q = np.stack([fp.quantize(x[d], fp.FP4, np.float32(scales[k][0])) for d in range(n)])
@@ -227,6 +231,21 @@ def test_a_peer_forging_symbols_that_are_no_levels_makes_every_device_skip():
 
   with coded.tampering(forge):
     out, after = _within(60, lambda: step(_grads(11, 8), state))
+  assert all(np.all(np.isnan(np.asarray(v))) for v in jax.tree.leaves(out))
+  assert int(after.rejected) == 1 and int(after.count) == 0
+
+
+def test_a_peer_forging_sums_beyond_any_of_n_levels_makes_every_device_skip():
+  """A well-formed gathered stream whose bytes (255) exceed every sum of 8 devices' levels."""
+  step, state = _step(co3("fp4", axis_name="data", gather="coded"), 8)
+  row_bytes = sum(layout.shard_len(x.size, 8) for x in jax.tree.leaves(PARAMS))
+
+  def forge(sender, destination, stream):
+    forged = huffman_deflate.encode(np.full(row_bytes, 255, np.uint8))
+    return forged if (sender, destination) == (2, -1) else stream
+
+  with coded.tampering(forge):
+    out, after = _within(60, lambda: step(_grads(12, 8), state))
   assert all(np.all(np.isnan(np.asarray(v))) for v in jax.tree.leaves(out))
   assert int(after.rejected) == 1 and int(after.count) == 0
 

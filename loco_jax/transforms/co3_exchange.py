@@ -225,6 +225,10 @@ def _sum_gather(settings: Co3Settings, got: coded.Received, layouts: list, scale
   sums_B = jnp.where(jnp.isfinite(sum_R), sum_R + offset, 0).astype(jnp.uint8)
   gathered = _gather(settings, sums_B, status, coded_path,
                      co3_host.default_sum_capacity_bits(n))
+  # A byte above 2 * offset is no sum of n levels: a peer's forgery, counted as a stream that
+  # does not decode (`_corrupt`).
+  forged = jnp.any(gathered.rows > 2 * offset).astype(jnp.int32)
+  gathered = gathered._replace(missing=gathered.missing.at[1].add(forged))
   sums_NxR = gathered.rows.astype(jnp.float32) - offset
   ends = itertools.accumulate(lay.row_len for lay in layouts)
   return [sums_NxR[:, end - lay.row_len:end] * (1.0 / (unit * n)) * (1.0 / scales[i])
