@@ -26,7 +26,7 @@ import optax
 
 from loco_jax import comm
 from loco_jax.codecs import fp
-from loco_jax.core import layout, leaves, local_blocks, quant
+from loco_jax.core import layout, leaves, local_blocks, quant, trees
 from loco_jax.transforms import co3_exchange, co3_host
 from loco_jax.transforms.co3_exchange import EXCHANGES, GATHERS, Co3Settings
 from loco_jax.transforms.co3_host import default_capacity_bits, fitted_scale  # noqa: F401
@@ -148,63 +148,47 @@ def init(settings: Co3Settings, params: Any) -> Co3State:
 
 def update(settings: Co3Settings, updates: Any, state: Co3State) -> tuple[Any, Co3State]:
   """One step: the averaged (or, without an axis, coded and decoded) updates and the state."""
-  check_state(updates, state)
-  parts = leaves.split(updates, settings.axis_name)
-  if not parts.sent:
+  # coded_bits is per device, not a tree like the gradient: nothing of it to check.
+  trees.check_state_matches("co3", updates, state._replace(coded_bits=None),
+                            init(settings, updates)._replace(coded_bits=None))
+  grads = leaves.split(updates, settings.axis_name)
+  if not grads.sent:
     return updates, state
-  stepped = _step_groups(settings, parts, state)
-  if settings.axis_name is None:  # nothing overflows without an exchange: agree on the flag
-    flag, overflowed = parts.agree(stepped.status[0]), jnp.float32(0)
-  else:  # every shard, like every device, keeps or skips the step
-    flag, overflowed = parts.agree(stepped.status)
-  taken = jnp.isfinite(flag)
-  kept = leaves.keep_if(taken, tuple(parts.tree(f) for f in stepped.fields),
-                        (state.error, state.scale))
-  bits = (8.0 * stepped.coded_bytes / max(stepped.coded_symbols, 1) if settings.entropy_code
-          else settings.fmt.bits)
-  return parts.outputs(stepped.values, jnp.where(taken, 0.0, jnp.nan)), Co3State(
-      jnp.where(taken, optax.safe_increment(state.count), state.count), *kept,
-      coded_bits=jnp.where(taken, bits, state.coded_bits).reshape(1).astype(jnp.float32),
-      overflows=state.overflows + (taken & (overflowed > 0)).astype(jnp.int32),
-      rejected=state.rejected + (flag == jnp.inf).astype(jnp.int32))
-
-
-class _Stepped(NamedTuple):
-  """Every group's step, merged: per leaf lists (None for leaves not sent), and totals."""
-  values: list
-  fields: "_LeafFields"     # per leaf lists, None for leaves not sent
-  status: jax.Array         # float32 [2]: the flags' sum, the groups that overflowed
-  coded_bytes: jax.Array    # int32
-  coded_symbols: int
-
-
-def _step_groups(settings: Co3Settings, parts: leaves.Leaves, state: Co3State) -> _Stepped:
-  old = _LeafFields(parts.per_leaf(state.error), parts.per_leaf(state.scale))
-  fields = _LeafFields(*[list(f) for f in old])
-  values = [None] * len(parts.leaves)
-  status, coded_bytes, coded_symbols = jnp.zeros(2, jnp.float32), jnp.int32(0), 0
+  old = [grads.per_leaf(state.error), grads.per_leaf(state.scale)]
   refit = state.count % settings.refit_interval == 0
-  for group in parts.groups:
-    step = _group_step(settings, parts, group.indices, old, refit)
-    for field, group_values in zip((values, *fields), (step.exchanged.values, *step.fields)):
-      for i, value in zip(group.indices, group_values):
-        field[i] = value
-    status = status + jnp.stack([step.exchanged.flag, step.exchanged.overflowed])
-    coded_bytes = coded_bytes + step.exchanged.coded_bytes
-    coded_symbols += step.symbols
-  return _Stepped(values, fields, status, coded_bytes, coded_symbols)
+  mapped = grads.map_groups(lambda group: group_step(settings, grads, group, old, refit))
+  # A peer's stream that did not decode (+inf) skips the step as a NaN gradient does.
+  flags = jnp.where(mapped.flags == jnp.inf, jnp.nan, mapped.flags)
+  done = grads.finish(mapped._replace(flags=flags),
+                      grads.by_leaf({k: s[:2] for k, s in mapped.states.items()}, old), old,
+                      state.count)
+  error, scale = done.state
+  return done.update, Co3State(done.count, grads.tree(error), grads.tree(scale),
+                               *_counters(settings, grads, mapped, state))
 
 
-class _LeafFields(NamedTuple):
-  """The per-leaf state fields as lists."""
-  error: list
-  scale: list
+def _counters(settings: Co3Settings, grads: leaves.Leaves, mapped: leaves.Mapped,
+              state: Co3State) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """The new coded_bits, overflows and rejected, from the groups' results (`GroupState`)."""
+  taken, rejected = jnp.isfinite(mapped.flags), mapped.flags == jnp.inf
+  groups = list(mapped.states.values())
+  overflowed = sum(s.overflowed for s in groups)
+  if settings.axis_name is not None:  # every shard, like every device, counts it alike
+    overflowed = grads.agree(overflowed)
+  bits = (8.0 * sum(s.coded_bytes for s in groups) / max(sum(s.symbols for s in groups), 1)
+          if settings.entropy_code else settings.fmt.bits)
+  return (jnp.where(taken, bits, state.coded_bits).reshape(1).astype(jnp.float32),
+          state.overflows + (taken & (overflowed > 0)).astype(jnp.int32),
+          state.rejected + rejected.astype(jnp.int32))
 
 
-class _GroupStep(NamedTuple):
-  exchanged: co3_exchange.Exchanged
-  fields: _LeafFields       # this group's new values of each field, in group order
-  symbols: int              # symbols this device's streams held
+class GroupState(NamedTuple):
+  """One group's step: its leaves' new state fields and what its exchange measured."""
+  error: list               # float32 [size] per leaf of the group: e = a - q
+  scale: list               # float32 [1] per leaf of the group
+  overflowed: jax.Array     # float32 0 or 1: some stream did not fit its slot
+  coded_bytes: jax.Array    # int32: bytes of this device's streams
+  symbols: int              # symbols those streams held
 
 
 def convert(settings: Co3Settings, grads: list, errors: list, scales: list,
@@ -219,36 +203,19 @@ def convert(settings: Co3Settings, grads: list, errors: list, scales: list,
                                              for a, s in zip(compensated, new_scales)])
 
 
-def _group_step(settings: Co3Settings, parts: leaves.Leaves, group: list[int],
-                old: _LeafFields, refit: jax.Array) -> _GroupStep:
-  """Convert, exchange and correct one group of leaves."""
-  mine = _LeafFields(*[[f[i] for i in group] for f in old])
+def group_step(settings: Co3Settings, grads: leaves.Leaves, group: leaves.Group, old: list,
+               refit: jax.Array) -> leaves.GroupResult:
+  """Convert, exchange and correct one group of leaves; `old`: [errors, scales] per leaf."""
+  errors, scales = [[f[i] for i in group.indices] for f in old]
   n = _axis_size(settings)
-  converted = convert(settings, [parts.flat(i) for i in group], mine.error, mine.scale, refit,
+  converted = convert(settings, [grads.flat(i) for i in group.indices], errors, scales, refit,
                       co3_exchange.sums_levels(settings, n))
-  flag = leaves.flag(parts.finite(group))
-  if n == 1:
-    exchanged = co3_exchange.local(settings, converted.symbols, converted.scales, flag)
-  else:
-    exchanged = co3_exchange.exchange(settings, converted.symbols, converted.scales, flag)
+  run = co3_exchange.local if n == 1 else co3_exchange.exchange
+  exchanged = run(settings, converted.symbols, converted.scales,
+                  leaves.flag(grads.finite(group.indices)))
   sent = [fp.decode(q, settings.fmt, s) for q, s in zip(converted.symbols, converted.scales)]
-  fields = _LeafFields([a - q for a, q in zip(converted.compensated, sent)],
-                       [s[None] for s in converted.scales])
-  return _GroupStep(exchanged, fields, co3_exchange.coded_symbols(settings, n, converted.symbols))
-
-
-def check_state(updates: Any, state: Co3State) -> None:
-  """ValueError naming the first gradient leaf the state does not fit."""
-  paths_and_leaves, treedef = jax.tree_util.tree_flatten_with_path(updates)
-  try:
-    errors = treedef.flatten_up_to(state.error)
-  except (ValueError, TypeError) as e:
-    raise ValueError(f"co3: the gradient tree does not match the state's (init's params): "
-                     f"{e}") from None
-  for (path, g), error in zip(paths_and_leaves, errors):
-    expected = (g.size if leaves.compressible(g) else 0,)
-    if error.shape != expected:
-      raise ValueError(
-          f"co3: gradient leaf {jax.tree_util.keystr(path)} has shape {tuple(g.shape)} "
-          f"({g.dtype}) but the state holds an error of shape {tuple(error.shape)} for it "
-          f"(expected {expected}): pass gradients shaped like the params given to init.")
+  new = GroupState([a - q for a, q in zip(converted.compensated, sent)],
+                   [s[None] for s in converted.scales], exchanged.overflowed,
+                   exchanged.coded_bytes,
+                   co3_exchange.coded_symbols(settings, n, converted.symbols))
+  return leaves.GroupResult(lambda: exchanged.values, exchanged.flag, new)
