@@ -247,16 +247,18 @@ def make_optimizer(config: DemoConfig):
 def gradient_collectives(found: Sequence[Any]) -> list[Any]:
   """The collectives that carry the gradient payload (codes plus scales), in HLO order.
 
-  The first non-scalar all-to-all, all-reduce or reduce-scatter of the step (scalars carry a
-  loss or a flag), with the others of its kind when the gradient goes leaf by leaf (pmean of a
-  pytree is one all-reduce a leaf); for a method that only gathers (top-k, CO3's server
-  average), its all-gathers.
+  The non-scalar all-to-alls, all-reduces or reduce-scatters of the step (scalars carry a loss
+  or a flag) of the kind of the largest one (a few numbers, such as the scales co3's coded
+  gather agrees on, come first in some steps), all of them when the gradient goes leaf by leaf
+  (pmean of a pytree is one all-reduce a leaf); for a method that only gathers (top-k, co3's
+  whole-gradient exchange), its all-gathers.
   """
   big = [c for c in found if c.nbytes > _SCALAR_BYTES and not c.conditional]
   for ops in (("all-to-all", "all-reduce", "reduce-scatter"), ("all-gather",)):
     chosen = [c for c in big if c.op in ops]
     if chosen:
-      return [c for c in chosen if c.op == chosen[0].op]
+      largest = max(chosen, key=lambda c: c.nbytes).op
+      return [c for c in chosen if c.op == largest]
   return []
 
 
