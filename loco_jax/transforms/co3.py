@@ -159,9 +159,8 @@ def update(settings: Co3Settings, updates: Any, state: Co3State) -> tuple[Any, C
   mapped = grads.map_groups(lambda group: group_step(settings, grads, group, old, refit))
   # A peer's stream that did not decode (+inf) skips the step as a NaN gradient does.
   flags = jnp.where(mapped.flags == jnp.inf, jnp.nan, mapped.flags)
-  done = grads.finish(mapped._replace(flags=flags),
-                      grads.by_leaf({k: s[:2] for k, s in mapped.states.items()}, old), old,
-                      state.count)
+  new = grads.by_leaf({k: (s.error, s.scale) for k, s in mapped.states.items()}, old)
+  done = grads.finish(mapped._replace(flags=flags), new, old, state.count)
   error, scale = done.state
   return done.update, Co3State(done.count, grads.tree(error), grads.tree(scale),
                                *_counters(settings, grads, mapped, state))
