@@ -15,10 +15,14 @@ tree of `bench.gpt2_params` (random normal leaves), prints one JSON record per g
 
 import argparse
 import json
+from pathlib import Path
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 
 
 def _rows(flat_leaves, n):

@@ -143,6 +143,18 @@ def test_methods_and_co3_hook():
     demo.make_compressor("loco5")
 
 
+def test_gradient_collectives_are_of_the_largest_kind_not_the_first():
+  """co3's coded gather agrees on its scales (a small pmin) before its all-to-all."""
+  from loco_jax.comm import hlo
+  scales = hlo.Collective("all-reduce", "f32", 80, 8)
+  slots = hlo.Collective("all-to-all", "u8", 66_000, 8)
+  flag = hlo.Collective("all-reduce", "f32", 4, 8)
+  sums = hlo.Collective("all-gather", "u8", 110_000, 8)
+  assert demo.gradient_collectives([scales, flag, slots, sums]) == [slots]
+  assert demo.gradient_bits([scales, flag, slots, sums], 137_216) == pytest.approx(
+      8 * 66_000 / 137_216)
+
+
 # --- Flags and --out are checked before jax starts; outputs are replaced as one set -------------
 
 def _no_device_setup(monkeypatch):

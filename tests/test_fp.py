@@ -95,6 +95,9 @@ def test_decode_of_encode_is_quantize_bit_for_bit(fmt):
     quantized = fp.quantize(x, fmt, scale)
     assert roundtrip.dtype == quantized.dtype == np.float32
     np.testing.assert_array_equal(roundtrip.view(np.uint32), quantized.view(np.uint32))
+    # The jitted encode (integer operations on the bits, as numpy's) gives the same symbols.
+    jitted = jax.jit(lambda v, s=scale: fp.encode(v, fmt, s))(jnp.asarray(x))
+    np.testing.assert_array_equal(np.asarray(jitted), fp.encode(x, fmt, scale))
 
 
 @pytest.mark.numerics

@@ -36,8 +36,8 @@ DESCRIPTIONS = {
     "co3-fp4": "CO3: fp4 with a GenNorm-fitted scale, Huffman, error decay gamma=0.7; each "
                "device's shard Huffman-coded through one all-to-all, bf16 all-gather",
     "co3-fp8": "CO3 as co3-fp4, in fp8 [1,5,2]",
-    "co3-fp4-coded": "CO3 as co3-fp4, the averaged shards converted to fp4 again (own decaying "
-                     "error) and Huffman-coded in the all-gather",
+    "co3-fp4-coded": "CO3 as co3-fp4, every device at the smallest of the devices' scales; the "
+                     "exact sums of the fp4 levels Huffman-coded in the all-gather",
     "ef2": "2-bit absmax blocks, classic error feedback (beta=0, float32 error)",
     "ef3": "3-bit absmax blocks, classic error feedback (beta=0, float32 error)",
     "loco2": "LoCo at 2 bits with loco(bits=2)'s defaults: blocks of 128 scaled to 1.5 x rms "
@@ -256,16 +256,18 @@ def make_optimizer(config: DemoConfig):
 def gradient_collectives(found: Sequence[Any]) -> list[Any]:
   """The collectives that carry the gradient payload (codes plus scales), in HLO order.
 
-  The first non-scalar all-to-all, all-reduce or reduce-scatter of the step (scalars carry a
-  loss or a flag), with the others of its kind when the gradient goes leaf by leaf (pmean of a
-  pytree is one all-reduce a leaf); for a method that only gathers (top-k, CO3's server
-  average), its all-gathers.
+  The non-scalar all-to-alls, all-reduces or reduce-scatters of the step (scalars carry a loss
+  or a flag) of the kind of the largest one (a few numbers, such as the scales co3's coded
+  gather agrees on, come first in some steps), all of them when the gradient goes leaf by leaf
+  (pmean of a pytree is one all-reduce a leaf); for a method that only gathers (top-k, co3's
+  whole-gradient exchange), its all-gathers.
   """
   big = [c for c in found if c.nbytes > _SCALAR_BYTES and not c.conditional]
   for ops in (("all-to-all", "all-reduce", "reduce-scatter"), ("all-gather",)):
     chosen = [c for c in big if c.op in ops]
     if chosen:
-      return [c for c in chosen if c.op == chosen[0].op]
+      largest = max(chosen, key=lambda c: c.nbytes).op
+      return [c for c in chosen if c.op == largest]
   return []
 
 
@@ -281,18 +283,23 @@ def co3_record(states: Sequence[Any], found: Sequence[Any], n_params: int, devic
                gather: str) -> dict[str, Any]:
   """What a co3 run measured beside what its compiled program sends: the coded bits a symbol
   (mean over steps and devices), the gradient slots' bits from the HLO (the capacity: what is
-  sent), the wire bits co3_exchange.predicted_bits gives for those slots, overflow and
-  rejected steps."""
+  sent) and the gather's (bits an element of the averaged shard), the wire bits
+  co3_exchange.predicted_bits gives for those slots, overflow and rejected steps."""
   from loco_jax import comm
   from loco_jax.transforms import co3_exchange
   last = states[-1]
   slot_bits = gradient_bits(found, n_params)
   per_shard = any(c.op == "all-to-all" for c in gradient_collectives(found))
+  gathers = [c for c in found if c.op == "all-gather" and c.nbytes > _SCALAR_BYTES
+             and not c.conditional]
+  gather_bits = (8.0 * sum(c.nbytes / c.group_size for c in gathers) * devices / n_params
+                 if per_shard else 0.0)
   return {"exchange": "all_to_all" if per_shard else "all_gather", "gather": gather,
           "coded_bits": round(float(np.mean([np.mean(s.coded_bits) for s in states])), 4),
           "slot_bits_per_param": round(slot_bits, 4),
+          "gather_bits_per_element": round(gather_bits, 4),
           "predicted_wire_bits": round(co3_exchange.predicted_bits(
-              devices, slot_bits, gather, per_shard), 4),
+              devices, slot_bits, gather_bits, per_shard), 4),
           "wire_bits_with_overflow_path": round(comm.wire_bits_per_param(
               found, n_params, include_conditional=True), 4),
           "overflow_steps": int(last.overflows), "rejected_steps": int(last.rejected),
@@ -368,7 +375,7 @@ def run_method(name: str, compressor, config: DemoConfig, corpus: Corpus,
     times.append(time.perf_counter() - t0)
     if name in CO3_METHODS:  # the counters and measured bits, not the errors
       co3_states.append(jax.device_get(state.compressor_state._replace(
-          error=None, scale=None, shard_error=None, shard_scale=None)))
+          error=None, scale=None)))
     if observe:
       observe(state, i + 1)
     if progress:

@@ -143,12 +143,8 @@ def _check_scale(scale: ArrayLike, fmt: FloatFormat | None = None,
                        f"overflows or 1 / scale underflows), got {scale!r}.")
 
 
-def _scaled_grid(x: ArrayLike, fmt: FloatFormat, scale: ArrayLike):
-  """Shared rounding core: returns (xp, x in the compute dtype, scale, n, exponent).
-
-  |x| * scale, saturated at max, is rounded to n * 2**(exponent - m) with n an integral float in
-  [0, 2**(m + 1)]: the level grid of its binade (subnormals share the lowest normal binade).
-  """
+def _scaled(x: ArrayLike, fmt: FloatFormat, scale: ArrayLike):
+  """(xp, x in the compute dtype, scale, y = |x| * scale saturated at max, NaN zeroed)."""
   xp = _array_module(x, scale)
   x = xp.asarray(x)
   compute_dtype = np.float64 if x.dtype == np.float64 else np.float32
@@ -158,7 +154,16 @@ def _scaled_grid(x: ArrayLike, fmt: FloatFormat, scale: ArrayLike):
   # min() saturates +inf (and finite overflow) at max; NaN is zeroed here, restored by callers.
   with np.errstate(over="ignore"):  # an overflow to inf saturates like any large value
     y = xp.minimum(xp.abs(x) * scale, max_value(fmt))
-  y = xp.where(xp.isnan(y), 0.0, y).astype(compute_dtype)
+  return xp, x, scale, xp.where(xp.isnan(y), 0.0, y).astype(compute_dtype)
+
+
+def _scaled_grid(x: ArrayLike, fmt: FloatFormat, scale: ArrayLike):
+  """Shared rounding core: returns (xp, x in the compute dtype, scale, n, exponent).
+
+  |x| * scale, saturated at max, is rounded to n * 2**(exponent - m) with n an integral float in
+  [0, 2**(m + 1)]: the level grid of its binade (subnormals share the lowest normal binade).
+  """
+  xp, x, scale, y = _scaled(x, fmt, scale)
   _, frexp_exponent = xp.frexp(y)  # y = f * 2**k with f in [0.5, 1): floor(log2 y) = k - 1
   # Below the smallest normal (zero included, whose frexp exponent is 0) the grid is the
   # subnormal one: set it explicitly rather than trust frexp on (flushed) denormals.
@@ -166,6 +171,29 @@ def _scaled_grid(x: ArrayLike, fmt: FloatFormat, scale: ArrayLike):
   # Exact power-of-two rescale; round() is half to even, i.e. ties go to the even mantissa.
   n = xp.round(xp.ldexp(y, fmt.mantissa_bits - exponent))
   return xp, x, scale, n, exponent
+
+
+def _magnitude_codes(xp, y, fmt: FloatFormat):
+  """`exponent << m | mantissa` of y (>= 0, at most max_value) rounded to `fmt`, half to even.
+
+  Read from y's own bits (encode's path: a few integer operations a value, where frexp and
+  ldexp, which `quantize` uses, cost several times more on XLA:CPU); `quantize` is the
+  independent reference that the tests hold it to.
+  """
+  info = np.finfo(y.dtype)
+  int_type = np.int32 if info.bits == 32 else np.int64
+  m = fmt.mantissa_bits
+  shift = info.nmant - m
+  bits = (jax.lax.bitcast_convert_type(y, int_type) if xp is jnp else
+          np.asarray(y).view(int_type))
+  # Half to even at bit `shift`: a carry out of the mantissa moves into the exponent, which is
+  # the next level up. What is left is y's exponent field << m | mantissa.
+  rounded = (bits + ((1 << (shift - 1)) - 1) + ((bits >> shift) & 1)) >> shift
+  normal = rounded - (((info.maxexp - 1) - fmt.bias) << m)
+  # Below fmt's smallest normal the levels are multiples of 2**(1 - bias - m): count them.
+  smallest_normal = 2.0 ** (1 - fmt.bias)
+  subnormal = xp.round(xp.minimum(y, smallest_normal) * (2.0 ** (fmt.bias - 1 + m)))
+  return xp.where(y < smallest_normal, subnormal.astype(int_type), normal)
 
 
 def quantize(x: ArrayLike, fmt: FloatFormat, scale: ArrayLike = 1.0) -> ArrayLike:
@@ -207,16 +235,13 @@ def encode(x: ArrayLike, fmt: FloatFormat, scale: ArrayLike = 1.0) -> ArrayLike:
     >>> encode(np.array([0.5, -3.0, 1e9]), FP4)
     array([ 1, 13,  5], dtype=uint8)
   """
-  xp, x, _, n, exponent = _scaled_grid(x, fmt, scale)
-  m, sign_bit = fmt.mantissa_bits, 1 << (fmt.bits - 1)
+  xp, x, _, y = _scaled(x, fmt, scale)
+  sign_bit = 1 << (fmt.bits - 1)
   if xp is np and np.isnan(x).any():
     raise ValueError(f"encode got {int(np.isnan(x).sum())} NaN value(s); small floats have no "
                      "NaN. Accepted: finite values or ±inf (which saturate). Under jax.jit NaN "
                      "encodes to the negative-zero symbol instead.")
-  # code = (exponent field - 1) * 2**m + n covers every case with one formula: n is
-  # 2**m + mantissa in a normal binade, the mantissa in the subnormal one (field 0), and
-  # 2**(m + 1) when rounding carried into the next binade.
-  code = (exponent.astype(np.int32) + (fmt.bias - 1)) * (2 ** m) + n.astype(np.int32)
+  code = _magnitude_codes(xp, y, fmt).astype(np.int32)
   negative = (x < 0) & (code > 0)
   symbols = xp.where(negative, code + sign_bit, code)
   symbols = xp.where(xp.isnan(x), sign_bit, symbols)

@@ -26,9 +26,9 @@ import optax
 
 from loco_jax import comm
 from loco_jax.codecs import fp
-from loco_jax.core import layout, leaves, local_blocks, quant
+from loco_jax.core import layout, leaves, local_blocks, quant, trees
 from loco_jax.transforms import co3_exchange, co3_host
-from loco_jax.transforms.co3_exchange import EXCHANGES, GATHERS, Co3Settings, ShardState
+from loco_jax.transforms.co3_exchange import EXCHANGES, GATHERS, Co3Settings
 from loco_jax.transforms.co3_host import default_capacity_bits, fitted_scale  # noqa: F401
 
 FORMATS = {"fp4": fp.FP4, "fp8": fp.FP8}
@@ -39,13 +39,11 @@ class Co3State(NamedTuple):
   count: jax.Array          # int32 steps taken; drives the refits
   error: optax.Updates      # float32 [size] per leaf: e = a - q
   scale: optax.Updates      # float32 [1] per leaf: the small-float scale from the last fit
-  shard_error: Any          # gather="coded": float32 [shard_len] per leaf, the averaged
-  shard_scale: Any          #   shard's own error and scale [1]; else None
   coded_bits: jax.Array     # float32 [1]: bits a symbol of this device's streams, last step
   overflows: jax.Array      # int32: steps that went raw because a stream did not fit its slot
   rejected: jax.Array       # int32: steps skipped because a peer's stream did not decode
 
-  PER_DEVICE = ("error", "scale", "shard_error", "shard_scale", "coded_bits")
+  PER_DEVICE = ("error", "scale", "coded_bits")
 
 
 class Converted(NamedTuple):
@@ -66,7 +64,9 @@ def co3(fmt: str = "fp4", gamma: float = 0.7, refit_interval: int = 100,
   streams of its own shard, averages them in float32 and all-gathers the averaged shard
   (`co3_exchange`). On few devices the all-gather of whole coded gradients sends less (at 2
   devices always; with the bf16 gather while n < 1 + 16 / capacity_bits): `exchange="auto"`
-  takes it there, and `co3_exchange.predicted_bits` says what each sends.
+  takes it there, and `co3_exchange.predicted_bits` says what each sends. With
+  gather="coded" every device converts a leaf at the smallest of the devices' scales, so that
+  the averaged shard crosses exactly, as the sum of the devices' levels.
 
   Args:
     fmt: "fp4" ([1,2,1]) or "fp8" ([1,5,2]).
@@ -74,10 +74,13 @@ def co3(fmt: str = "fp4", gamma: float = 0.7, refit_interval: int = 100,
     refit_interval: steps between GenNorm fits of the scales (the first step fits).
     entropy_code: Huffman-code the symbols (`codecs.huffman_deflate`); False sends them raw.
     axis_name: the mesh axis to average over, or None (local, no communication).
-    capacity_bits: bits a symbol a coded slot holds (default `default_capacity_bits(fmt)`); a
-      stream that does not fit sends that step's exchange raw (lossless, `state.overflows`).
-    gather: "bf16" or "coded" (the averaged shard converted and coded again, with its own
-      decaying error): how the per-shard exchange returns the averaged shards.
+    capacity_bits: bits a symbol of the all-to-all's (or the whole gradients' all-gather's)
+      coded slots (default `default_capacity_bits(fmt)`); a stream that does not fit sends
+      that step's exchange raw (lossless, `state.overflows`). The coded gather's slots hold
+      `co3_host.default_sum_capacity_bits(n)` an element.
+    gather: "bf16" or "coded" (fp4 on at most 21 devices: the exact sums of the devices' fp4
+      levels, one byte an element, coded): how the per-shard exchange returns the averaged
+      shards.
     exchange: "auto", "all_to_all" (per shard) or "all_gather" (whole gradients).
     specs: PartitionSpecs of leaves sharded over other mesh axes (as in `loco`).
 
@@ -118,6 +121,9 @@ def _settings(fmt, gamma, refit_interval, entropy_code, axis_name, capacity_bits
   if gather == "coded" and exchange == "all_gather":
     raise ValueError("gather='coded' gathers averaged shards, which exchange='all_gather' "
                      "does not make: choose one")
+  if gather == "coded" and fmt != "fp4":
+    raise ValueError(f"gather='coded' sends the exact sums of the devices' fp4 levels in a "
+                     f"byte; {fmt}'s levels span too many steps for that: use gather='bf16'")
   small_float = FORMATS[fmt]
   capacity = default_capacity_bits(small_float) if capacity_bits is None else capacity_bits
   return Co3Settings(small_float, gamma, refit_interval, entropy_code, axis_name,
@@ -128,23 +134,13 @@ def _axis_size(settings: Co3Settings) -> int:
   return 1 if settings.axis_name is None else comm.axis_size(settings.axis_name, "co3")
 
 
-def _has_shard_state(settings: Co3Settings, n: int) -> bool:
-  return settings.gather == "coded" and n > 1 and co3_exchange.is_per_shard(settings, n)
-
-
 def init(settings: Co3Settings, params: Any) -> Co3State:
   """The state for `params` (inside jax.shard_map when there is an axis)."""
-  n = _axis_size(settings)
   sizes = jax.tree.map(lambda x: x.size if leaves.compressible(x) else 0, params)
-  zeros = lambda size: jnp.zeros((size,), jnp.float32)
-  shard = _has_shard_state(settings, n)
   return Co3State(
       count=jnp.zeros([], jnp.int32),
-      error=jax.tree.map(zeros, sizes),
+      error=jax.tree.map(lambda size: jnp.zeros((size,), jnp.float32), sizes),
       scale=jax.tree.map(lambda _: jnp.ones((1,), jnp.float32), sizes),
-      shard_error=jax.tree.map(lambda m: zeros(layout.shard_len(m, n) if m else 0), sizes)
-      if shard else None,
-      shard_scale=jax.tree.map(lambda _: jnp.ones((1,), jnp.float32), sizes) if shard else None,
       coded_bits=jnp.zeros((1,), jnp.float32),
       overflows=jnp.zeros([], jnp.int32),
       rejected=jnp.zeros([], jnp.int32))
@@ -152,115 +148,73 @@ def init(settings: Co3Settings, params: Any) -> Co3State:
 
 def update(settings: Co3Settings, updates: Any, state: Co3State) -> tuple[Any, Co3State]:
   """One step: the averaged (or, without an axis, coded and decoded) updates and the state."""
-  check_state(updates, state)
-  parts = leaves.split(updates, settings.axis_name)
-  if not parts.sent:
+  # coded_bits is per device, not a tree like the gradient: nothing of it to check.
+  trees.check_state_matches("co3", updates, state._replace(coded_bits=None),
+                            init(settings, updates)._replace(coded_bits=None))
+  grads = leaves.split(updates, settings.axis_name)
+  if not grads.sent:
     return updates, state
-  stepped = _step_groups(settings, parts, state)
-  if settings.axis_name is None:  # nothing overflows without an exchange: agree on the flag
-    flag, overflowed = parts.agree(stepped.status[0]), jnp.float32(0)
-  else:  # every shard, like every device, keeps or skips the step
-    flag, overflowed = parts.agree(stepped.status)
-  taken = jnp.isfinite(flag)
-  kept = leaves.keep_if(taken, tuple(None if f is None else parts.tree(f)
-                                     for f in stepped.fields), _fields(state))
-  bits = (8.0 * stepped.coded_bytes / max(stepped.coded_symbols, 1) if settings.entropy_code
-          else settings.fmt.bits)
-  return parts.outputs(stepped.values, jnp.where(taken, 0.0, jnp.nan)), Co3State(
-      jnp.where(taken, optax.safe_increment(state.count), state.count), *kept,
-      coded_bits=jnp.where(taken, bits, state.coded_bits).reshape(1).astype(jnp.float32),
-      overflows=state.overflows + (taken & (overflowed > 0)).astype(jnp.int32),
-      rejected=state.rejected + (flag == jnp.inf).astype(jnp.int32))
-
-
-class _Stepped(NamedTuple):
-  """Every group's step, merged: per leaf lists (None for leaves not sent), and totals."""
-  values: list
-  fields: "_LeafFields"
-  status: jax.Array         # float32 [2]: the flags' sum, the groups that overflowed
-  coded_bytes: jax.Array    # int32
-  coded_symbols: int
-
-
-def _step_groups(settings: Co3Settings, parts: leaves.Leaves, state: Co3State) -> _Stepped:
-  old = _LeafFields(*[None if f is None else parts.per_leaf(f) for f in _fields(state)])
-  fields = _LeafFields(*[None if f is None else list(f) for f in old])
-  values = [None] * len(parts.leaves)
-  status, coded_bytes, coded_symbols = jnp.zeros(2, jnp.float32), jnp.int32(0), 0
+  old = [grads.per_leaf(state.error), grads.per_leaf(state.scale)]
   refit = state.count % settings.refit_interval == 0
-  for group in parts.groups:
-    step = _group_step(settings, parts, group.indices, old, refit)
-    for field, group_values in zip((values, *fields), (step.exchanged.values, *step.fields)):
-      for i, value in zip(group.indices, group_values if field is not None else ()):
-        field[i] = value
-    status = status + jnp.stack([step.exchanged.flag, step.exchanged.overflowed])
-    coded_bytes = coded_bytes + step.exchanged.coded_bytes
-    coded_symbols += step.symbols
-  return _Stepped(values, fields, status, coded_bytes, coded_symbols)
+  mapped = grads.map_groups(lambda group: group_step(settings, grads, group, old, refit))
+  # A peer's stream that did not decode (+inf) skips the step as a NaN gradient does.
+  flags = jnp.where(mapped.flags == jnp.inf, jnp.nan, mapped.flags)
+  new = grads.by_leaf({k: (s.error, s.scale) for k, s in mapped.states.items()}, old)
+  done = grads.finish(mapped._replace(flags=flags), new, old, state.count)
+  error, scale = done.state
+  return done.update, Co3State(done.count, grads.tree(error), grads.tree(scale),
+                               *_counters(settings, grads, mapped, state))
 
 
-class _LeafFields(NamedTuple):
-  """The per-leaf state fields as lists (None where the state has no such field)."""
-  error: list
-  scale: list
-  shard_error: list | None
-  shard_scale: list | None
+def _counters(settings: Co3Settings, grads: leaves.Leaves, mapped: leaves.Mapped,
+              state: Co3State) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """The new coded_bits, overflows and rejected, from the groups' results (`GroupState`)."""
+  taken, rejected = jnp.isfinite(mapped.flags), mapped.flags == jnp.inf
+  groups = list(mapped.states.values())
+  overflowed = sum(s.overflowed for s in groups)
+  if settings.axis_name is not None:  # every shard, like every device, counts it alike
+    overflowed = grads.agree(overflowed)
+  bits = (8.0 * sum(s.coded_bytes for s in groups) / max(sum(s.symbols for s in groups), 1)
+          if settings.entropy_code else settings.fmt.bits)
+  return (jnp.where(taken, bits, state.coded_bits).reshape(1).astype(jnp.float32),
+          state.overflows + (taken & (overflowed > 0)).astype(jnp.int32),
+          state.rejected + rejected.astype(jnp.int32))
 
 
-def _fields(state: Co3State) -> tuple:
-  return state.error, state.scale, state.shard_error, state.shard_scale
-
-
-class _GroupStep(NamedTuple):
-  exchanged: co3_exchange.Exchanged
-  fields: _LeafFields       # this group's new values of each field, in group order
-  symbols: int              # symbols this device's streams held
+class GroupState(NamedTuple):
+  """One group's step: its leaves' new state fields and what its exchange measured."""
+  error: list               # float32 [size] per leaf of the group: e = a - q
+  scale: list               # float32 [1] per leaf of the group
+  overflowed: jax.Array     # float32 0 or 1: some stream did not fit its slot
+  coded_bytes: jax.Array    # int32: bytes of this device's streams
+  symbols: int              # symbols those streams held
 
 
 def convert(settings: Co3Settings, grads: list, errors: list, scales: list,
-            refit: jax.Array) -> Converted:
-  """Convert: a = g + gamma * e (saturating), the scales (refitted where `refit`), Q(a)."""
+            refit: jax.Array, agree: bool = False) -> Converted:
+  """Convert: a = g + gamma * e (saturating), the scales (refitted where `refit`; the same on
+  every device where `agree`: `co3_exchange.agree_scales`), Q(a)."""
   compensated = [quant.saturate(g + settings.gamma * e) for g, e in zip(grads, errors)]
   new_scales = co3_host.leaf_scales(settings.fmt, compensated, jnp.concatenate(scales), refit)
+  if agree:
+    new_scales = co3_exchange.agree_scales(settings, new_scales)
   return Converted(compensated, new_scales, [fp.encode(a, settings.fmt, s)
                                              for a, s in zip(compensated, new_scales)])
 
 
-def _group_step(settings: Co3Settings, parts: leaves.Leaves, group: list[int],
-                old: _LeafFields, refit: jax.Array) -> _GroupStep:
-  """Convert, exchange and correct one group of leaves."""
-  mine = _LeafFields(*[None if f is None else [f[i] for i in group] for f in old])
-  converted = convert(settings, [parts.flat(i) for i in group], mine.error, mine.scale, refit)
-  flag = leaves.flag(parts.finite(group))
+def group_step(settings: Co3Settings, grads: leaves.Leaves, group: leaves.Group, old: list,
+               refit: jax.Array) -> leaves.GroupResult:
+  """Convert, exchange and correct one group of leaves; `old`: [errors, scales] per leaf."""
+  errors, scales = [[f[i] for i in group.indices] for f in old]
   n = _axis_size(settings)
-  if n == 1:
-    exchanged = co3_exchange.local(settings, converted.symbols, converted.scales, flag)
-  else:
-    shard = (None if mine.shard_error is None
-             else ShardState(mine.shard_error, jnp.concatenate(mine.shard_scale)))
-    exchanged = co3_exchange.exchange(settings, converted.symbols, converted.scales, flag,
-                                      shard, refit)
+  converted = convert(settings, [grads.flat(i) for i in group.indices], errors, scales, refit,
+                      co3_exchange.sums_levels(settings, n))
+  run = co3_exchange.local if n == 1 else co3_exchange.exchange
+  exchanged = run(settings, converted.symbols, converted.scales,
+                  leaves.flag(grads.finite(group.indices)))
   sent = [fp.decode(q, settings.fmt, s) for q, s in zip(converted.symbols, converted.scales)]
-  shard = exchanged.shard
-  fields = _LeafFields([a - q for a, q in zip(converted.compensated, sent)],
-                       [s[None] for s in converted.scales],
-                       None if shard is None else shard.errors,
-                       None if shard is None else [s[None] for s in shard.scales])
-  return _GroupStep(exchanged, fields, co3_exchange.coded_symbols(settings, n, converted.symbols))
-
-
-def check_state(updates: Any, state: Co3State) -> None:
-  """ValueError naming the first gradient leaf the state does not fit."""
-  paths_and_leaves, treedef = jax.tree_util.tree_flatten_with_path(updates)
-  try:
-    errors = treedef.flatten_up_to(state.error)
-  except (ValueError, TypeError) as e:
-    raise ValueError(f"co3: the gradient tree does not match the state's (init's params): "
-                     f"{e}") from None
-  for (path, g), error in zip(paths_and_leaves, errors):
-    expected = (g.size if leaves.compressible(g) else 0,)
-    if error.shape != expected:
-      raise ValueError(
-          f"co3: gradient leaf {jax.tree_util.keystr(path)} has shape {tuple(g.shape)} "
-          f"({g.dtype}) but the state holds an error of shape {tuple(error.shape)} for it "
-          f"(expected {expected}): pass gradients shaped like the params given to init.")
+  new = GroupState([a - q for a, q in zip(converted.compensated, sent)],
+                   [s[None] for s in converted.scales], exchanged.overflowed,
+                   exchanged.coded_bytes,
+                   co3_exchange.coded_symbols(settings, n, converted.symbols))
+  return leaves.GroupResult(lambda: exchanged.values, exchanged.flag, new)

@@ -3,14 +3,18 @@
 Per-shard exchange (`all_to_all`): each device lays its symbols out in rows, one per device
 (`layout.shard_rows`: row j is device j's shard of every leaf), codes each row into a slot of ONE
 all-to-all (`comm.coded`), decodes the n - 1 rows it receives, averages them in float32 with
-each sender's scales, and all-gathers its averaged shard: in bf16, or (`gather="coded"`)
-converted to the same small float with a decaying error of its own and coded again. A device
-sends (n-1)/n (C + 16) or (n-1)/n (C + C') bits a parameter for a coded rate C.
+each sender's scales, and all-gathers its averaged shard: in bf16, or (`gather="coded"`, fp4)
+as the exact sum of the n senders' levels, one byte an element, coded again. The sum is exact
+because every device converts a leaf at the same scale there (the smallest of the devices'
+own, agreed each step: `agree_scales`), so the levels are small integers in one unit; the
+average every device returns is then the float32 mean of what was sent, as with the bf16
+gather, and nothing is rounded a second time. A device sends (n-1)/n (C + 16) or
+(n-1)/n (C + C_sum) bits a parameter for a coded rate C.
 
 Whole-gradient exchange (`all_gather`): each device's coded gradient is all-gathered and every
 device decodes and averages all of them: (n-1) C bits. `exchange="auto"` picks whichever
-`predicted_bits` says sends less on this axis (the all-gather at 2 devices, and with the bf16
-gather up to n = 1 + 16 / C).
+`predicted_bits` says sends less on this axis (the all-gather at 2 devices, and up to
+n = 1 + G / C for a gather of G bits an element).
 
 Status, replicated on every device: `flag` is 0, +inf where some receiver found a peer's
 stream corrupt, or NaN where some device saw a non-finite gradient (sums keep that meaning);
@@ -51,19 +55,12 @@ class Co3Settings(NamedTuple):
   specs: Any
 
 
-class ShardState(NamedTuple):
-  """gather="coded": this device's averaged shard's own error feedback."""
-  errors: list             # float32 [shard_len] per leaf
-  scales: jax.Array        # float32 [leaves]
-
-
 class Exchanged(NamedTuple):
   """One group of leaves after the exchange (see the module doc for `flag`, `overflowed`)."""
   values: list             # float32 [size] per leaf: the mean over the axis
   flag: jax.Array          # float32
   overflowed: jax.Array    # float32 0 or 1
   coded_bytes: jax.Array   # int32: bytes this device's coder produced (its uplink streams)
-  shard: ShardState | None
 
 
 def symbols_per_byte(fmt: fp.FloatFormat) -> int:
@@ -71,11 +68,20 @@ def symbols_per_byte(fmt: fp.FloatFormat) -> int:
   return 2 if fmt.bits <= 4 else 1
 
 
-def predicted_bits(n: int, symbol_bits: float, gather: str, per_shard: bool) -> float:
-  """Bits a device sends per parameter a step at `symbol_bits` a symbol, scales aside."""
+def predicted_bits(n: int, symbol_bits: float, gather_bits: float, per_shard: bool) -> float:
+  """Bits a device sends per parameter a step at `symbol_bits` a symbol in the all-to-all (or
+  the all-gather of whole gradients) and `gather_bits` an element in the gather of the
+  averaged shards (16 for bf16), scales aside."""
   if per_shard:
-    return (n - 1) / n * (symbol_bits + (16.0 if gather == "bf16" else symbol_bits))
+    return (n - 1) / n * (symbol_bits + gather_bits)
   return (n - 1) * symbol_bits
+
+
+def gather_bits(settings: Co3Settings, n: int) -> float:
+  """Bits an element of the averaged shards' gather: 16 (bf16), or a sum slot's capacity."""
+  if settings.gather == "bf16":
+    return 16.0
+  return co3_host.default_sum_capacity_bits(n) if settings.entropy_code else 8.0
 
 
 def is_per_shard(settings: Co3Settings, n: int) -> bool:
@@ -83,8 +89,42 @@ def is_per_shard(settings: Co3Settings, n: int) -> bool:
   if settings.exchange != "auto":
     return settings.exchange == "all_to_all"
   bits = settings.capacity_bits if settings.entropy_code else settings.fmt.bits
-  return (predicted_bits(n, bits, settings.gather, True)
-          < predicted_bits(n, bits, settings.gather, False))
+  gathered = gather_bits(settings, n)
+  return predicted_bits(n, bits, gathered, True) < predicted_bits(n, bits, gathered, False)
+
+
+def sums_levels(settings: Co3Settings, n: int) -> bool:
+  """Whether the devices agree on their scales and gather the exact sums of their levels
+  (ValueError where they would, but the sums do not fit a byte: `check_sum_gather`)."""
+  if settings.gather == "coded" and n > 1 and is_per_shard(settings, n):
+    check_sum_gather(settings.fmt, n)
+    return True
+  return False
+
+
+def level_unit(fmt: fp.FloatFormat) -> float:
+  """The levels of `fmt` are integer multiples of 1 / level_unit (fp4: halves)."""
+  return 2.0 ** (fmt.bias - 1 + fmt.mantissa_bits)
+
+
+def max_sum(fmt: fp.FloatFormat, n: int) -> int:
+  """The largest |sum| of n devices' levels, in units of 1 / level_unit."""
+  return int(n * fp.max_value(fmt) * level_unit(fmt))
+
+
+def check_sum_gather(fmt: fp.FloatFormat, n: int) -> None:
+  """ValueError unless the sums of n devices' levels fit one byte, offset to be non-negative."""
+  if 2 * max_sum(fmt, n) > 255:
+    raise ValueError(
+        f"gather='coded' sends the exact sum of the devices' levels in one byte an element: "
+        f"{fmt} on {n} devices sums up to +-{max_sum(fmt, n)}, which does not fit (fp4 fits up "
+        f"to 21 devices); use gather='bf16'")
+
+
+def agree_scales(settings: Co3Settings, scales: jax.Array) -> jax.Array:
+  """The smallest of every device's scale, leaf by leaf: a scale no device saturates more at
+  than at its own, shared so that the levels sum exactly (a NaN of a skipped step stays)."""
+  return jax.lax.pmin(scales, settings.axis_name)
 
 
 def _to_bytes(symbols_NxK: jax.Array, fmt: fp.FloatFormat) -> jax.Array:
@@ -100,16 +140,16 @@ def _from_bytes(bytes_NxB: jax.Array, fmt: fp.FloatFormat) -> jax.Array:
   return jnp.stack([bytes_NxB >> 4, bytes_NxB & 15], axis=-1).reshape(bytes_NxB.shape[0], -1)
 
 
-def _rows(symbols: list, layouts: list, fmt: fp.FloatFormat) -> jax.Array:
+def symbol_rows(symbols: list, layouts: list, fmt: fp.FloatFormat) -> jax.Array:
   """Per leaf uint8 [size] -> uint8 [rows, B]: row j holds device j's shard of every leaf."""
   return jnp.concatenate([_to_bytes(layout.shard_rows(s, lay), fmt)
                           for s, lay in zip(symbols, layouts)], axis=1)
 
 
-def _values(rows_NxB: jax.Array, scales_NxL: jax.Array, layouts: list,
-            fmt: fp.FloatFormat) -> list:
-  """Inverse of `_rows` for every sender: per leaf float32 [N, row_len], each row with its own
-  sender's scale."""
+def row_values(rows_NxB: jax.Array, scales_NxL: jax.Array, layouts: list,
+               fmt: fp.FloatFormat) -> list:
+  """Inverse of `symbol_rows` for every sender: per leaf float32 [N, row_len], each row with
+  its own sender's scale."""
   symbols_NxR, values, start = _from_bytes(rows_NxB, fmt), [], 0
   for i, lay in enumerate(layouts):
     values.append(fp.decode(symbols_NxR[:, start:start + lay.row_len], fmt,
@@ -131,11 +171,11 @@ def _send(settings: Co3Settings, rows_NxB, side_NxS, coded_path: bool) -> coded.
   return coded.all_to_all(rows_NxB, side_NxS, capacity, CODER, settings.axis_name)
 
 
-def _gather(settings: Co3Settings, row_B, side_S, coded_path: bool) -> coded.Received:
+def _gather(settings: Co3Settings, row_B, side_S, coded_path: bool,
+            bits_per_byte: float) -> coded.Received:
   if not coded_path:
     return coded.raw_all_gather(row_B, side_S, settings.axis_name)
-  capacity = coded.slot_bytes(row_B.shape[0], settings.capacity_bits
-                              * symbols_per_byte(settings.fmt), CODER)
+  capacity = coded.slot_bytes(row_B.shape[0], bits_per_byte, CODER)
   return coded.all_gather(row_B, side_S, capacity, CODER, settings.axis_name)
 
 
@@ -143,71 +183,87 @@ def _whole(settings: Co3Settings, layouts: list, symbols: list, scales: jax.Arra
            flag: jax.Array, coded_path: bool) -> Exchanged:
   """The all-gather of every device's whole symbols; each device averages all of them."""
   leaf_count = len(layouts)
-  got = _gather(settings, _rows(symbols, layouts, settings.fmt)[0],
-                jnp.concatenate([scales, flag[None]]), coded_path)
-  values = _values(got.rows, got.side[:, :leaf_count], layouts, settings.fmt)
+  got = _gather(settings, symbol_rows(symbols, layouts, settings.fmt)[0],
+                jnp.concatenate([scales, flag[None]]), coded_path,
+                settings.capacity_bits * symbols_per_byte(settings.fmt))
+  values = row_values(got.rows, got.side[:, :leaf_count], layouts, settings.fmt)
   flag = got.side[:, leaf_count].sum() + _corrupt(got.missing)
   if coded_path:  # its sender does not decode its own stream: agree on what receivers found
     flag = jax.lax.psum(flag, settings.axis_name)
   return Exchanged([quant.mean_over_peers(v)[:lay.size] for v, lay in zip(values, layouts)],
-                   flag, (got.missing[0] > 0).astype(jnp.float32), got.coded_bytes, None)
+                   flag, (got.missing[0] > 0).astype(jnp.float32), got.coded_bytes)
 
 
-def _coded_shard(settings: Co3Settings, shards: list, shard: ShardState, refit: jax.Array):
-  """gather="coded": (symbols per leaf, scales, new ShardState) of the averaged shard."""
-  compensated = [quant.saturate(a + settings.gamma * e) for a, e in zip(shards, shard.errors)]
-  scales = co3_host.leaf_scales(settings.fmt, compensated, shard.scales, refit)
-  symbols = [fp.encode(b, settings.fmt, s) for b, s in zip(compensated, scales)]
-  errors = [b - fp.decode(q, settings.fmt, s) for b, q, s in zip(compensated, symbols, scales)]
-  return symbols, scales, ShardState(errors, scales)
+def _bf16_gather(settings: Co3Settings, got: coded.Received, layouts: list,
+                 status: jax.Array) -> tuple[list, coded.Received]:
+  """The mean of this device's shard, all-gathered in bf16: per leaf float32 [n, row_len]."""
+  n, leaf_count = len(got.rows), len(layouts)
+  shards = [quant.mean_over_peers(v)
+            for v in row_values(got.rows, got.side[:, :leaf_count], layouts, settings.fmt)]
+  # The shards' bit patterns as bytes: 16 bits a value on every backend.
+  shard_R = quant.saturate(jnp.concatenate(shards), jnp.bfloat16).astype(jnp.bfloat16)
+  gathered = coded.raw_all_gather(jax.lax.bitcast_convert_type(shard_R, jnp.uint8).reshape(-1),
+                                  status, settings.axis_name)
+  values_NxR = jax.lax.bitcast_convert_type(gathered.rows.reshape(n, -1, 2), jnp.bfloat16)
+  ends = itertools.accumulate(lay.row_len for lay in layouts)
+  return [values_NxR[:, end - lay.row_len:end].astype(jnp.float32)
+          for end, lay in zip(ends, layouts)], gathered
+
+
+def _sum_gather(settings: Co3Settings, got: coded.Received, layouts: list, scales: jax.Array,
+                status: jax.Array, coded_path: bool) -> tuple[list, coded.Received]:
+  """The exact sum of the levels of this device's shard, all-gathered one byte an element
+  (offset by max_sum) and coded; every device divides by n and by the agreed scales."""
+  n, fmt = len(got.rows), settings.fmt
+  unit, offset = level_unit(fmt), max_sum(fmt, n)
+  levels = row_values(got.rows, jnp.ones((n, len(layouts)), jnp.float32), layouts, fmt)
+  sum_R = jnp.concatenate([jnp.sum(v * unit, axis=0) for v in levels])  # integers: exact
+  # A symbol that is no level (a NaN gradient's, or a peer's forgery) makes the sum NaN: the
+  # step is skipped, as for a stream that does not decode.
+  valid = jnp.all(jnp.isfinite(sum_R))
+  status = status + jnp.stack([jnp.where(valid, 0.0, jnp.inf), 0.0]).astype(jnp.float32)
+  sums_B = jnp.where(jnp.isfinite(sum_R), sum_R + offset, 0).astype(jnp.uint8)
+  gathered = _gather(settings, sums_B, status, coded_path,
+                     co3_host.default_sum_capacity_bits(n))
+  # A byte above 2 * offset is no sum of n levels: a peer's forgery, counted as a stream that
+  # does not decode (`_corrupt`).
+  forged = jnp.any(gathered.rows > 2 * offset).astype(jnp.int32)
+  gathered = gathered._replace(missing=gathered.missing.at[1].add(forged))
+  sums_NxR = gathered.rows.astype(jnp.float32) - offset
+  ends = itertools.accumulate(lay.row_len for lay in layouts)
+  return [sums_NxR[:, end - lay.row_len:end] * (1.0 / (unit * n)) * (1.0 / scales[i])
+          for i, (end, lay) in enumerate(zip(ends, layouts))], gathered
 
 
 def _per_shard(settings: Co3Settings, layouts: list, symbols: list, scales: jax.Array,
-               flag: jax.Array, shard: ShardState | None, refit: jax.Array,
-               coded_path: bool) -> Exchanged:
+               flag: jax.Array, coded_path: bool) -> Exchanged:
   """All-to-all of the rows, the mean of this device's shard, the gather of the shards."""
-  n, leaf_count, fmt = layouts[0].rows, len(layouts), settings.fmt
+  n, leaf_count = layouts[0].rows, len(layouts)
   side_NxS = jnp.broadcast_to(jnp.concatenate([scales, flag[None]]), (n, leaf_count + 1))
-  got = _send(settings, _rows(symbols, layouts, fmt), side_NxS, coded_path)
-  shards = [quant.mean_over_peers(v)
-            for v in _values(got.rows, got.side[:, :leaf_count], layouts, fmt)]
+  got = _send(settings, symbol_rows(symbols, layouts, settings.fmt), side_NxS, coded_path)
   status = jnp.stack([got.side[:, leaf_count].sum() + _corrupt(got.missing),
                       (got.missing[0] > 0).astype(jnp.float32)])
-  singles = [lay._replace(rows=1, size=lay.row_len) for lay in layouts]  # one shard each
-  if shard is None:  # bf16: the shards' bit patterns as bytes, 16 bits a value on every backend
-    shard_R = quant.saturate(jnp.concatenate(shards), jnp.bfloat16).astype(jnp.bfloat16)
-    gathered = coded.raw_all_gather(jax.lax.bitcast_convert_type(shard_R, jnp.uint8).reshape(-1),
-                                    status, settings.axis_name)
-    values_NxR = jax.lax.bitcast_convert_type(gathered.rows.reshape(n, -1, 2), jnp.bfloat16)
-    ends = list(itertools.accumulate(lay.row_len for lay in layouts))
-    values = [values_NxR[:, end - lay.row_len:end].astype(jnp.float32)
-              for end, lay in zip(ends, layouts)]
-    side, new_shard = gathered.side, None
+  if settings.gather == "bf16":
+    values, gathered = _bf16_gather(settings, got, layouts, status)
   else:
-    shard_symbols, shard_scales, new_shard = _coded_shard(settings, shards, shard, refit)
-    gathered = _gather(settings, _rows(shard_symbols, singles, fmt)[0],
-                       jnp.concatenate([shard_scales, status]), coded_path)
-    values = _values(gathered.rows, gathered.side[:, :leaf_count], singles, fmt)
-    side = gathered.side[:, leaf_count:]
-  flag, overflowed = side[:, 0].sum(), (side[:, 1].sum() + gathered.missing[0]) > 0
-  if shard is not None and coded_path:  # as in _whole: the gathered streams' verdict
+    values, gathered = _sum_gather(settings, got, layouts, scales, status, coded_path)
+  flag = gathered.side[:, 0].sum()
+  overflowed = (gathered.side[:, 1].sum() + gathered.missing[0]) > 0
+  if settings.gather == "coded" and coded_path:  # as in _whole: the gathered streams' verdict
     flag = jax.lax.psum(flag + _corrupt(gathered.missing), settings.axis_name)
   return Exchanged([layout.from_rows(v, lay) for v, lay in zip(values, layouts)], flag,
-                   overflowed.astype(jnp.float32), got.coded_bytes + gathered.coded_bytes,
-                   new_shard)
+                   overflowed.astype(jnp.float32), got.coded_bytes + gathered.coded_bytes)
 
 
-def exchange(settings: Co3Settings, symbols: list, scales: jax.Array, flag: jax.Array,
-             shard: ShardState | None, refit: jax.Array) -> Exchanged:
+def exchange(settings: Co3Settings, symbols: list, scales: jax.Array,
+             flag: jax.Array) -> Exchanged:
   """The mean over `settings.axis_name` of every device's decoded symbols.
 
   Args:
     settings: co3's settings (axis_name set).
     symbols: uint8 [size] per leaf, this device's.
-    scales: float32 [leaves], this device's.
+    scales: float32 [leaves], this device's (agreed by every device where `sums_levels`).
     flag: float32, 0 or NaN (this device's gradient is not finite).
-    shard: the averaged shard's error state (gather="coded" on the per-shard exchange), or None.
-    refit: bool, whether this step refits the scales (of the shard too).
 
   Returns:
     `Exchanged`; where the coded exchange overflowed and nothing else went wrong, the same
@@ -216,7 +272,7 @@ def exchange(settings: Co3Settings, symbols: list, scales: jax.Array, flag: jax.
   n = comm.axis_size(settings.axis_name, "co3")
   per_shard = is_per_shard(settings, n)
   layouts = [layout.leaf_layout(s.size, n if per_shard else 1, None) for s in symbols]
-  run = (functools.partial(_per_shard, settings, layouts, symbols, scales, flag, shard, refit)
+  run = (functools.partial(_per_shard, settings, layouts, symbols, scales, flag)
          if per_shard else functools.partial(_whole, settings, layouts, symbols, scales, flag))
   first = run(settings.entropy_code)
   if not settings.entropy_code:
@@ -230,17 +286,17 @@ def exchange(settings: Co3Settings, symbols: list, scales: jax.Array, flag: jax.
 def local(settings: Co3Settings, symbols: list, scales: jax.Array, flag: jax.Array) -> Exchanged:
   """No peers: the symbols' round trip through the coder on the host (entropy_code), decoded."""
   layouts = [layout.leaf_layout(s.size, 1, None) for s in symbols]
-  row_1xB, coded_bytes = _rows(symbols, layouts, settings.fmt), jnp.int32(0)
+  row_1xB, coded_bytes = symbol_rows(symbols, layouts, settings.fmt), jnp.int32(0)
   if settings.entropy_code:
     shapes = (jax.ShapeDtypeStruct(row_1xB.shape, jnp.uint8), jax.ShapeDtypeStruct((), jnp.int32))
     row_1xB, coded_bytes = leaves.vary_like(coded.host_call(_roundtrip, shapes, row_1xB), row_1xB)
-  values = [v[0, :lay.size] for v, lay in zip(_values(row_1xB, scales[None], layouts,
+  values = [v[0, :lay.size] for v, lay in zip(row_values(row_1xB, scales[None], layouts,
                                                      settings.fmt), layouts)]
   if settings.axis_name is not None:  # an axis of one device: the mean is typed replicated
     values, flag = jax.lax.all_gather((values, flag[None]), settings.axis_name, tiled=True,
                                       to="invarying")
     flag = flag[0]
-  return Exchanged(values, flag, jnp.float32(0), coded_bytes, None)
+  return Exchanged(values, flag, jnp.float32(0), coded_bytes)
 
 
 def _roundtrip(row_1xB: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

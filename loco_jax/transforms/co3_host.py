@@ -13,6 +13,9 @@ from loco_jax.core import leaves
 
 FIT_SAMPLES = 65_536      # per leaf, strided: the fit needs the shape, not every value
 CAPACITY_MARGIN_BITS = 0.3
+# fp8 only: what a stream of every leaf's shard codes to beyond its leaves' own entropies
+# (`default_capacity_bits`).
+LEAF_MIXTURE_MARGIN_BITS = 0.4
 MIN_BETA = 0.35           # below it p(beta) is not a fit any more
 SATURATION_QUANTILE = 0.99
 
@@ -30,10 +33,43 @@ def fitted_scale(fmt: fp.FloatFormat, beta: float, alpha: float) -> float:
 def default_capacity_bits(fmt: fp.FloatFormat) -> float:
   """Bits per symbol that a coded slot reserves: the largest entropy of the fitted model over
   beta in [0.2, 3] (gradients seen in practice), plus a margin for Huffman's own overhead.
+
+  fp8 reserves LEAF_MIXTURE_MARGIN_BITS more. A slot holds a shard of every leaf, coded with
+  one code table a deflate block, so it pays for the mixture of the leaves' symbol
+  distributions, which no per-leaf model sees. fp8 spreads its symbols over 31 binades, and
+  leaves of different shapes (beta) and of many exact zeros (embedding rows) sit on
+  different ones: on real gradients the mixture costs more than the margin for Huffman's
+  overhead covers, and a slot sized to the model alone sends nearly every step raw
+  (docs/EXPERIMENTS_CO3.md). fp4 maps every leaf onto the same six magnitudes, and its
+  model's worst case (beta 0.2 at the floored scale) lies far above what real shards code to.
   """
   betas = np.linspace(0.2, 3.0, 15)
   worst = max(gennorm.entropy_bits(fmt, b, 1.0, fitted_scale(fmt, b, 1.0)) for b in betas)
-  return min(worst + CAPACITY_MARGIN_BITS, float(fmt.bits))
+  mixture = LEAF_MIXTURE_MARGIN_BITS if fmt.exponent_bits > fp.FP4.exponent_bits else 0.0
+  return min(worst + CAPACITY_MARGIN_BITS + mixture, float(fmt.bits))
+
+
+@functools.lru_cache(maxsize=None)
+def default_sum_capacity_bits(n: int) -> float:
+  """Bits an element that a coded slot of the exact sums of n devices' fp4 levels reserves
+  (co3's gather="coded"): the largest entropy of the sum of n independent symbols of the
+  fitted model over the same betas as `default_capacity_bits`, plus its margin.
+
+  Independent symbols are the widest sum for given marginals, as far as gradients go: the
+  devices' gradients share their signal, which narrows the sum towards n times one symbol.
+  """
+  fmt = fp.FP4
+  values = fp.decode(np.arange(256, dtype=np.uint8), fmt)
+  valid = np.isfinite(values)
+  halves = np.rint(values[valid] * 2).astype(int)  # fp4 levels are halves
+  worst = 0.0
+  for beta in np.linspace(0.2, 3.0, 15):
+    p = gennorm.symbol_probabilities(fmt, beta, 1.0, fitted_scale(fmt, beta, 1.0))
+    one = np.bincount(halves - halves.min(), weights=p[valid])
+    total = functools.reduce(np.convolve, [one] * n)
+    total = total[total > 0]
+    worst = max(worst, float(-(total * np.log2(total)).sum()))
+  return min(worst + CAPACITY_MARGIN_BITS, 8.0)
 
 
 def absmax_scale(fmt: fp.FloatFormat, absmax, fallback):
@@ -75,10 +111,9 @@ def fit_scales(fmt: fp.FloatFormat, sizes: tuple[int, ...], previous: np.ndarray
   return scales
 
 
-def _refit(fmt: fp.FloatFormat, values: list[jax.Array], old_scales: jax.Array,
+def _refit(fmt: fp.FloatFormat, samples: list[jax.Array], old_scales: jax.Array,
            absmax: jax.Array) -> jax.Array:
-  """New per-leaf scales from one host call over strided samples of every leaf."""
-  samples = [a[:: max(1, a.size // FIT_SAMPLES)][:FIT_SAMPLES] for a in values]
+  """New per-leaf scales from one host call over the leaves' samples."""
   sizes = tuple(s.size for s in samples)
   fitted = coded.host_call(functools.partial(fit_scales, fmt, sizes),
                            jax.ShapeDtypeStruct(old_scales.shape, jnp.float32),
@@ -91,7 +126,10 @@ def leaf_scales(fmt: fp.FloatFormat, values: list[jax.Array], old_scales: jax.Ar
   """float32 [leaves]: each leaf's scale, refitted where `refit`, else kept; a leaf with fewer
   than two non-zero values has no shape to fit and takes max_value / max|x| every step."""
   absmax = jnp.stack([jnp.max(jnp.abs(a)) for a in values])
-  fitted = jax.lax.cond(refit, lambda: _refit(fmt, values, old_scales, absmax),
+  # Strided samples, taken outside the cond: handed the whole leaves, XLA:CPU copies them into
+  # the cond's operands on every step, refit or not.
+  samples = [a[:: max(1, a.size // FIT_SAMPLES)][:FIT_SAMPLES] for a in values]
+  fitted = jax.lax.cond(refit, lambda: _refit(fmt, samples, old_scales, absmax),
                         lambda: old_scales)
   unfittable = jnp.stack([jnp.count_nonzero(a) < 2 for a in values])
   return jnp.where(unfittable, absmax_scale(fmt, absmax, fitted), fitted)
