@@ -307,8 +307,10 @@ def _co3_per_shard(method: str, n: int) -> bool:
   fmt = co3.FORMATS[method.split("-")[1]]
   gather = "coded" if method.endswith("-coded") else "bf16"
   bits = co3.default_capacity_bits(fmt)
-  return (co3_exchange.predicted_bits(n, bits, gather, True)
-          < co3_exchange.predicted_bits(n, bits, gather, False))
+  gathered = (16.0 if gather == "bf16" else
+              importlib.import_module("loco_jax.transforms.co3_host").default_sum_capacity_bits(n))
+  return (co3_exchange.predicted_bits(n, bits, gathered, True)
+          < co3_exchange.predicted_bits(n, bits, gathered, False))
 
 
 @pytest.mark.slow
