@@ -43,7 +43,8 @@ def run(compressor: str, files: list[str], timeout: float) -> dict:
                         cwd=HERE.parent)
   out = done.stdout + done.stderr
   counts = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|error|skipped)", out)}
-  failed = sorted(set(re.findall(r"^(?:FAILED|ERROR) (\S+)", out, re.M)))
+  # pytest's summary lines: "FAILED id", "ERROR id", and for a subtest "SUBFAILED[msg] id".
+  failed = sorted(set(re.findall(r"^(?:SUB)?(?:FAILED|ERROR)(?:\[[^\]]*\])? (\S+)", out, re.M)))
   return {"compressor": compressor, "exit": done.returncode, "passed": counts.get("passed", 0),
           "failed": counts.get("failed", 0) + counts.get("error", 0),
           "failed_ids": [f.split("site-packages/")[-1] for f in failed]}
