@@ -24,13 +24,13 @@ import sys
 
 import optax
 
+from optax_suite_plugin import COMPRESSORS
+
 HERE = Path(__file__).resolve().parent
 OPTAX = Path(optax.__file__).resolve().parent
 FILES = ("_src/alias_test.py", "_src/float64_test.py", "_src/sharding_test.py",
          "transforms/_conditionality_test.py", "transforms/_accumulation_test.py",
          "contrib/_common_test.py")
-COMPRESSORS = ("loco4", "loco8", "loco4-fixed", "co3-fp4", "co3-fp8", "bf16", "int8",
-               "error_feedback", "ef21", "sign_ef", "topk_ef", "uncompressed")
 
 
 def run(compressor: str, files: list[str], timeout: float) -> dict:
