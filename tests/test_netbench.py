@@ -38,19 +38,16 @@ def _processes_with(text: str) -> list[int]:
   return found
 
 
-@pytest.mark.slow
-def test_two_hosts_on_a_slow_link_send_what_the_compiled_program_says(tmp_path):
+def _netbench_on_the_wire(args: list[str]) -> str:
+  """Runs `loco_jax netbench ARGS` (skipped with a printed reason where namespaces cannot be
+  made); checks that it exits 0 and leaves no namespace or host process; returns its log."""
   reason = _namespaces_unavailable()
   if reason:
     print(f"SKIP: {reason}")
     pytest.skip(reason)
-  out = tmp_path / "net.json"
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "GLIBC_TUNABLES")}
-  proc = subprocess.Popen(
-      [sys.executable, "-m", "loco_jax", "netbench", "--hosts", "2", "--rate", "20mbit",
-       "--params", str(2**18), "--methods", "fp32,loco,loco-quantized", "--steps", "3",
-       "--warmup", "1", "--exchange-only", "--min-rate-fraction", "0", "--timeout", "120",
-       "--json", str(out)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  proc = subprocess.Popen([sys.executable, "-m", "loco_jax", "netbench", *args], env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
   try:
     log = proc.communicate(timeout=TIMEOUT_S)[0]
   except subprocess.TimeoutExpired:
@@ -61,6 +58,16 @@ def test_two_hosts_on_a_slow_link_send_what_the_compiled_program_says(tmp_path):
   assert not [n for n in netns.our_namespaces() if n.startswith(tag)], "namespaces left behind"
   assert not _processes_with(tag), "host processes left behind"
   assert proc.returncode == 0, log[-3000:]
+  return log
+
+
+@pytest.mark.slow
+def test_two_hosts_on_a_slow_link_send_what_the_compiled_program_says(tmp_path):
+  out = tmp_path / "net.json"
+  _netbench_on_the_wire(
+      ["--hosts", "2", "--rate", "20mbit", "--params", str(2**18), "--methods",
+       "fp32,loco,loco-quantized", "--steps", "3", "--warmup", "1", "--exchange-only",
+       "--min-rate-fraction", "0", "--timeout", "120", "--json", str(out)])
   records = {r["method"]: r for r in json.loads(out.read_text())}
   assert sorted(records) == ["fp32", "loco", "loco-quantized"]
   for r in records.values():
@@ -317,26 +324,11 @@ def _co3_per_shard(method: str, n: int) -> bool:
 def test_co3_on_three_hosts_sends_its_slots_and_records_its_exchange_and_counts(tmp_path):
   # Three hosts: co3-fp4-coded runs the per-shard all-to-all and the coded gather on the wire,
   # co3-fp4 the all-gather of whole coded gradients (co3's own choice at 3 devices).
-  reason = _namespaces_unavailable()
-  if reason:
-    print(f"SKIP: {reason}")
-    pytest.skip(reason)
   out = tmp_path / "co3.json"
-  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "GLIBC_TUNABLES")}
-  proc = subprocess.Popen(
-      [sys.executable, "-m", "loco_jax", "netbench", "--hosts", "3", "--rate", "100mbit",
-       "--params", str(2**19), "--methods", "co3-fp4,co3-fp4-coded", "--steps", "3",
-       "--warmup", "1", "--exchange-only", "--timeout", "120", "--json", str(out)],
-      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-  try:
-    log = proc.communicate(timeout=TIMEOUT_S)[0]
-  except subprocess.TimeoutExpired:
-    proc.terminate()
-    log = proc.communicate(timeout=30)[0]
-    pytest.fail(f"netbench ran past {TIMEOUT_S} s:\n{log[-3000:]}")
-  tag = f"{netns.PREFIX}{proc.pid}-"
-  assert not [n for n in netns.our_namespaces() if n.startswith(tag)], "namespaces left behind"
-  assert proc.returncode == 0, log[-3000:]
+  log = _netbench_on_the_wire(
+      ["--hosts", "3", "--rate", "100mbit", "--params", str(2**19), "--methods",
+       "co3-fp4,co3-fp4-coded", "--steps", "3", "--warmup", "1", "--exchange-only",
+       "--timeout", "120", "--json", str(out)])
   assert "overflows (steps)" in log   # the table of what ran and the state's counts
   records = {r["method"]: r for r in json.loads(out.read_text())}
   for method, r in records.items():
