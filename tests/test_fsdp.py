@@ -70,7 +70,6 @@ def _fsdp_params_as_zero2(state) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.numerics
 def test_uncompressed_fsdp_matches_zero2():
   fsdp_losses, fsdp_state = _train("fsdp", parallel.reduce_scatter("data"), 10)
   zero2_losses, zero2_state = _train("zero2", parallel.reduce_scatter("data"), 10)
@@ -83,7 +82,6 @@ def test_uncompressed_fsdp_matches_zero2():
                _fsdp_params_as_zero2(fsdp_state), zero2_state.params)
 
 
-@pytest.mark.numerics
 @pytest.mark.slow  # about 30 s: compiles two 12-layer steps with LoCo
 def test_memory_of_a_12_layer_step_is_at_most_035_of_zero2s():
   config = gpt.GPTConfig(vocab_size=64, seq_len=32, d_model=32, n_layers=12, n_heads=4,
@@ -103,7 +101,6 @@ def test_memory_of_a_12_layer_step_is_at_most_035_of_zero2s():
 
 
 @pytest.mark.slow
-@pytest.mark.numerics
 @pytest.mark.parametrize("param_gather,steps", [("compute", 50), ("int8", 5)])
 def test_loco_fsdp_matches_loco_zero2_in_training_and_wire_bytes(param_gather, steps):
   batches = list(_batches(steps))
@@ -202,7 +199,6 @@ def _mlp_loss(params, batch):
 
 
 @pytest.mark.slow
-@pytest.mark.numerics
 def test_whole_model_fallback_matches_zero2():
   mesh, optimizer = parallel.data_mesh(N), optax.adam(1e-2)
   rng = np.random.default_rng(0)
@@ -304,7 +300,6 @@ def _run_workers(tmp_path, name: str, processes: int, steps: int = 6) -> dict[in
   return {int(k): float(v) for k, v in (line.split() for line in losses.read_text().splitlines())}
 
 
-@pytest.mark.numerics
 @pytest.mark.slow  # two multi-process runs: about a minute
 def test_two_processes_train_like_one(tmp_path):
   one = _run_workers(tmp_path, "one", 1)
@@ -322,7 +317,6 @@ def test_two_processes_train_like_one(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.numerics
 def test_nnx_example_layers_compute_the_modules_loss():
   sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
   import fsdp_nnx_example as example

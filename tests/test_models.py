@@ -53,7 +53,6 @@ def test_gpt_output_shape_and_dtype(tiny):
   assert short.shape == (2, 5, 256)
 
 
-@pytest.mark.numerics
 def test_gpt_is_causal(tiny):
   _, _, params, forward, _ = tiny
   tokens = _tokens((2, 16))
@@ -79,7 +78,6 @@ def test_gpt_default_param_count():
 
 
 @pytest.mark.slow
-@pytest.mark.numerics
 def test_gpt_initial_loss_and_functional_form_match_module(tiny):
   model, _, params, _, loss = tiny
   batch = _tokens((8, 17))
@@ -97,7 +95,6 @@ def test_gpt_same_init_for_same_rngs(tiny):
 
 
 @pytest.mark.slow
-@pytest.mark.numerics
 def test_gpt_adamw_reduces_loss_on_repeated_batch(tiny):
   _, graphdef, params, _, _ = tiny
   losses = _train(graphdef, params, _tokens((4, 17)), gpt.apply_loss, steps=30, lr=3e-3)
@@ -105,7 +102,6 @@ def test_gpt_adamw_reduces_loss_on_repeated_batch(tiny):
 
 
 @pytest.mark.slow
-@pytest.mark.numerics
 def test_gpt_grads_under_shard_map_match_full_batch(tiny):
   # Params are cast to "varying" so jax.grad returns each device's local gradient; on
   # replicated (P()) params the transpose of shard_map would already psum the gradient.
@@ -143,7 +139,6 @@ def test_gpt_rejects_bad_config_and_input(tiny):
 
 
 @pytest.mark.slow
-@pytest.mark.numerics
 def test_teacher_student_data():
   x, y = teacher_student_data(jax.random.key(1), 512, 8, 3, 16)
   assert x.shape == (512, 8) and x.dtype == jnp.float32
@@ -161,7 +156,6 @@ def test_teacher_student_data():
 
 
 @pytest.mark.slow
-@pytest.mark.numerics
 def test_mlp_shapes_and_functional_form():
   assert num_params(nnx.eval_shape(lambda: MLP(8, [32, 16], 3))) == \
       8 * 32 + 32 + 32 * 16 + 16 + 16 * 3 + 3
@@ -176,7 +170,6 @@ def test_mlp_shapes_and_functional_form():
 
 
 @pytest.mark.slow
-@pytest.mark.numerics
 @pytest.mark.parametrize("task", ["regression", "classification"])
 def test_mlp_learns_teacher(task):
   x, y = teacher_student_data(jax.random.key(1), 512, 8, 3, 16, task=task)

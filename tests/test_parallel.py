@@ -51,7 +51,6 @@ def _train(mode, compressor, optimizer=None, steps=30, **kwargs):
 
 
 @pytest.mark.slow
-@pytest.mark.numerics
 def test_ddp_and_zero2_uncompressed_agree():
   ddp, _, _ = _train("ddp", _mean())
   zero2, _, _ = _train("zero2", parallel.reduce_scatter("data"))
@@ -60,7 +59,6 @@ def test_ddp_and_zero2_uncompressed_agree():
 
 
 @pytest.mark.slow
-@pytest.mark.numerics
 def test_zero2_with_loco_trains_like_uncompressed():
   plain, _, _ = _train("zero2", parallel.reduce_scatter("data"))
   compressed, _, _ = _train("zero2", loco(axis_name="data", scatter=True))
@@ -71,7 +69,6 @@ def test_zero2_with_loco_trains_like_uncompressed():
 
 
 @pytest.mark.slow
-@pytest.mark.numerics
 def test_zero2_optimizer_state_is_a_shard_of_ddps():
   per_device = lambda tree, split: sum(
       x.nbytes / (N if split else 1) for x in jax.tree.leaves(tree))
@@ -138,7 +135,6 @@ def _ndim_mask(params):
 
 
 @pytest.mark.slow
-@pytest.mark.numerics
 def test_zero2_evaluates_a_callable_mask_on_the_full_shapes_like_ddp():
   # optax evaluates the mask on what it is given: zero2's flat master shards have ndim 1, so
   # without masks.evaluate_on_full_shapes decay would be off for every leaf.
@@ -155,7 +151,6 @@ def test_zero2_evaluates_a_callable_mask_on_the_full_shapes_like_ddp():
 
 
 @pytest.mark.slow
-@pytest.mark.numerics
 def test_zero2_clips_by_the_global_norm_of_the_whole_gradient_like_ddp():
   # zero2's optimizer runs under GSPMD on the global master shards: the norm is the whole
   # gradient's, not one device's shard's (which would clip each shard by a different factor).
@@ -191,7 +186,6 @@ def test_masks_see_full_shapes_through_inject_hyperparams_and_multi_transform():
 
 
 @pytest.mark.slow
-@pytest.mark.numerics
 def test_compute_dtype_applies_in_ddp():
   _, state, step = _train("ddp", _mean(), steps=1, compute_dtype=jnp.bfloat16)
   _, _, step32 = _train("ddp", _mean(), steps=1)

@@ -79,7 +79,6 @@ def _error_specs(state) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.numerics
 def test_ddp_keeps_model_sharding_and_matches_the_data_mesh():
   mesh = _mesh()
   fp32_2d, state, specs, _ = _train(mesh, _placed(mesh), baselines.uncompressed("data"))
@@ -110,7 +109,6 @@ def _loco_collectives():
 
 
 @pytest.mark.slow
-@pytest.mark.numerics
 def test_ddp_with_loco_compresses_model_shards_and_trains_like_the_data_mesh():
   (losses, state, _, _), (loco_1d, _, _, _) = _loco_runs()
   for name, spec in SPECS.items():
@@ -131,7 +129,6 @@ def test_ddp_with_loco_compresses_model_shards_and_trains_like_the_data_mesh():
 
 
 @pytest.mark.slow
-@pytest.mark.numerics
 def test_one_loco_step_is_the_mean_gradient_within_4_bit_rounding():
   mesh, lr = _mesh(), 1.0
   batch = _batches(1)[0]
@@ -173,7 +170,6 @@ def test_compiled_collectives_over_model_are_the_models_own():
 
 
 @pytest.mark.slow
-@pytest.mark.numerics
 def test_bytes_over_data_scale_with_the_model_shard():
   # Each model rank sends the codes of its half of each split leaf: half the 1-D mesh's bytes.
   data_bytes = lambda found: sum(c.nbytes for c in found
@@ -183,7 +179,6 @@ def test_bytes_over_data_scale_with_the_model_shard():
 
 
 @pytest.mark.slow
-@pytest.mark.numerics
 def test_zero2_on_a_data_model_mesh():
   mesh = _mesh()
   plain_2d, state, specs, _ = _train(mesh, _placed(mesh), parallel.reduce_scatter("data"),
@@ -204,7 +199,6 @@ def test_zero2_on_a_data_model_mesh():
 
 
 @pytest.mark.slow
-@pytest.mark.numerics
 def test_zero2_with_loco_on_a_data_model_mesh_trains_like_uncompressed():
   mesh = _mesh()
   compressed, state, _, _ = _train(mesh, _placed(mesh), loco(axis_name="data", scatter=True),
@@ -215,7 +209,6 @@ def test_zero2_with_loco_on_a_data_model_mesh_trains_like_uncompressed():
 
 
 @pytest.mark.slow
-@pytest.mark.numerics
 def test_two_hop_through_make_train_step_splits_the_batch_over_both_axes():
   mesh = parallel.node_mesh(2, 4)
   seen = []
@@ -232,7 +225,6 @@ def test_two_hop_through_make_train_step_splits_the_batch_over_both_axes():
 
 
 @pytest.mark.slow
-@pytest.mark.numerics
 def test_zero2_over_two_data_axes_matches_the_data_mesh():
   axes = ("node", "local")
   losses, _, specs, _ = _train(parallel.node_mesh(2, 4), _raw_params(),
@@ -270,7 +262,6 @@ def _typed_loss(p, batch):
 
 
 @pytest.mark.slow
-@pytest.mark.numerics
 @pytest.mark.parametrize("mode, compressor", [
     ("ddp", baselines.uncompressed("data")), ("ddp", loco(axis_name="data")),
     ("zero2", parallel.reduce_scatter("data")), ("zero2", loco(axis_name="data", scatter=True)),
@@ -343,7 +334,6 @@ def _fp32_step_reference():
 
 
 @pytest.mark.slow
-@pytest.mark.numerics
 @settings(max_examples=4, deadline=None)
 @given(st.fixed_dictionaries({name: st.sampled_from(
     [P()] + [P(*[None] * dim, "model") for dim in range(ndim)])
@@ -374,7 +364,6 @@ def _per_device_grads():
 
 
 @pytest.mark.slow
-@pytest.mark.numerics
 @pytest.mark.parametrize("told", ["specs=", "shardings"])
 def test_init_opt_state_on_a_data_model_mesh_runs_the_readme_recipe(told):
   mesh = _mesh()

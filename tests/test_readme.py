@@ -24,7 +24,6 @@ def _blocks(section: str, end: str) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.numerics
 def test_the_loco_recipes_run_as_written():
   blocks = _blocks("## LoCo as an optax transformation", "### Fully sharded")
   assert len(blocks) == 4, "the optax chain, the 1-D mesh, zero2, the (data, model) mesh"

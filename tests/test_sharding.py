@@ -94,7 +94,6 @@ def _over(found, group_size):
 
 
 @pytest.mark.slow
-@pytest.mark.numerics
 def test_model_sharded_leaves_add_no_collective_over_model():
   told, fp32 = _step("told")[0], _step("fp32")[0]
   # The model's own collectives over 'model', plus the 4-byte keep-or-skip flag: no gather.
@@ -141,7 +140,6 @@ def _data_bytes(found):
 
 
 @pytest.mark.slow
-@pytest.mark.numerics
 def test_bytes_over_data_scale_with_the_local_shard():
   ratio = _data_bytes(_step("told")[0]) / _data_bytes(_step("1d")[0])
   assert 0.45 < ratio < 0.55, ratio  # half the values and scales; flags do not halve
@@ -161,7 +159,6 @@ def _per_device_grads():
 
 
 @pytest.mark.slow
-@pytest.mark.numerics
 def test_model_sharded_results_match_the_data_mesh_within_rounding():
   per_device = _per_device_grads()
   exact, bound = per_device.mean(0), _quantization_bound(per_device)
@@ -263,7 +260,6 @@ def _types(tree):
 
 
 @pytest.mark.slow
-@pytest.mark.numerics
 @pytest.mark.parametrize("name", sorted(LOCAL))
 def test_explicit_sharding_state_types_match_and_no_gather(name):
   mesh = _mesh(("data", DATA), ("model", MODEL), kind=AxisType.Explicit)
@@ -294,7 +290,6 @@ def test_explicit_sharding_state_types_match_and_no_gather(name):
 
 
 @pytest.mark.slow
-@pytest.mark.numerics
 def test_two_hop_on_an_explicit_model_axis():
   """two_hop (where it applies: inside a shard_map over its two data axes) on leaves that an
   Explicit 'model' axis shards: the state keeps its sharding, nothing is gathered over it."""

@@ -64,7 +64,6 @@ def test_chunked_all_gather_returns_the_devices_rows_in_order(mesh, length, chun
 
 
 @pytest.mark.slow
-@pytest.mark.numerics
 def test_loco_and_the_bf16_mean_give_the_same_result_chunked(mesh):
   grads = np.random.default_rng(0).standard_normal((N, 5000)).astype(np.float32) * 1e-3
   params = {"w": jnp.zeros(5000)}
@@ -124,7 +123,6 @@ def test_a_bad_chunk_size_is_refused(bad, monkeypatch):
       wire.chunk_bytes("cpu", processes=2)
 
 
-@pytest.mark.numerics
 @pytest.mark.parametrize("chunk", [None, 100])
 def test_reduce_scatter_sums_each_row_on_its_device(mesh, chunk):
   # Whole: psum_scatter; in pieces (gloo's path): an all-to-all of the rows and a local sum,
