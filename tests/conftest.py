@@ -32,7 +32,7 @@ def shard_mapped_update(opt, mesh, params, axes=("data",), out_spec=P()):
   return step, state
 
 
-@pytest.fixture(name="shard_mapped_update")
+@pytest.fixture(name="shard_mapped_update", scope="session")
 def shard_mapped_update_fixture():
   """`shard_mapped_update` as a fixture."""
   return shard_mapped_update

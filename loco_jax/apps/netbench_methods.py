@@ -96,6 +96,11 @@ def _loco(**kwargs):
   return _lib("transforms.loco").loco(axis_name="data", **kwargs)
 
 
+# Slots for LoCo's coded codes: netbench's gradients (scales 1..7 in every block) code to about
+# 2.5 bits a 4-bit code (`huffman_deflate`, 2.54); a slot that does not fit sends the step raw.
+ENTROPY_SLOT_BITS = 2.75
+
+
 def _co3(help_text: str, fmt: str, gather: str = "bf16") -> Method:
   """CO3 at gamma 0.7 with `exchange="auto"`: the record's `exchange` says which one ran."""
   return Method(help_text, lambda: _lib("transforms.co3").co3(fmt, gamma=0.7, axis_name="data",
@@ -112,6 +117,12 @@ METHODS: dict[str, Method] = {
     "loco": Method("LoCo: 4-bit all-to-all, bf16 gather", _loco),
     "loco-quantized": Method("LoCo: 4-bit all-to-all, 4-bit gather",
                              lambda: _loco(gather="quantized")),
+    "loco-entropy": Method(f"LoCo, the all-to-all's codes Huffman-coded in slots of "
+                           f"{ENTROPY_SLOT_BITS} bits a code, bf16 gather",
+                           lambda: _loco(entropy_code=True, capacity_bits=ENTROPY_SLOT_BITS)),
+    "loco-quantized-entropy": Method(
+        "LoCo, coded all-to-all as loco-entropy, 4-bit gather",
+        lambda: _loco(gather="quantized", entropy_code=True, capacity_bits=ENTROPY_SLOT_BITS)),
     "int4": Method("4-bit all-to-all without error feedback",
                    lambda: _lib("transforms.baselines").int_quantized(4, axis_name="data")),
     "zero2-fp32": Method("ZeRO-2: fp32 reduce-scatter + fp32 parameter all-gather",

@@ -13,8 +13,7 @@ Entry points: `all_to_all` (row j to device j: a reduce-scatter's first half), `
 and `raw_all_to_all` / `raw_all_gather` with the same results for the uncoded path.
 
 Example (inside jax.shard_map over "data", n devices):
-  >>> coder = ByteCoder(huffman_deflate.encode, huffman_deflate.decode,
-  ...                   huffman_deflate.overhead)                        # doctest: +SKIP
+  >>> coder = transforms.coders.HUFFMAN_DEFLATE                          # doctest: +SKIP
   >>> capacity = slot_bytes(rows.shape[1], 4.0, coder)                   # doctest: +SKIP
   >>> got = all_to_all(rows, side, capacity, coder, "data")              # doctest: +SKIP
   >>> got.rows[s], got.side[s]  # what device s sent here, its side numbers  # doctest: +SKIP

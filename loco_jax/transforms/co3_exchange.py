@@ -31,15 +31,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from loco_jax.codecs import fp, huffman_deflate
+from loco_jax.codecs import fp
 from loco_jax import comm
 from loco_jax.comm import coded
 from loco_jax.core import layout, leaves, quant
-from loco_jax.transforms import co3_host
+from loco_jax.transforms import co3_host, coders
 
 GATHERS = ("bf16", "coded")
 EXCHANGES = ("auto", "all_to_all", "all_gather")
-CODER = coded.ByteCoder(huffman_deflate.encode, huffman_deflate.decode, huffman_deflate.overhead)
+CODER = coders.HUFFMAN_DEFLATE
 
 
 class Co3Settings(NamedTuple):

@@ -25,9 +25,10 @@ import optax
 
 from loco_jax import kernels
 from loco_jax.comm import bucketed, exchange
-from loco_jax.core import buckets, leaves, local_blocks, trees
+from loco_jax.core import args, buckets, leaves, local_blocks, trees
 from loco_jax.core.layout import AxisName
 from loco_jax.kernels import feedback
+from loco_jax.transforms import coders
 from loco_jax.transforms.loco_state import GroupState, LocoState, check_state
 from loco_jax.transforms.settings import GATHER_MODES, LocoSettings, resolve
 
@@ -37,6 +38,8 @@ class Exchange(NamedTuple):
   axis_name: AxisName | None   # None: local compression, nothing sent
   gather: str                  # "bf16" or "quantized"
   scatter: bool                # return this device's shard of each leaf, no gather
+  capacity_bits: float | None  # the all-to-all's codes Huffman-coded in slots of this many
+                               # bits a code; None: sent packed as they are
 
   @property
   def quantized_gather(self) -> bool:
@@ -64,7 +67,8 @@ class Averaged(NamedTuple):
   gather_scale: Any
 
 
-def _check_exchange(axis_name, gather: str, scatter: bool) -> Exchange:
+def _check_exchange(axis_name, gather: str, scatter: bool, entropy_code: bool,
+                    capacity_bits: float | None, bits: int) -> Exchange:
   if gather not in GATHER_MODES:
     raise ValueError(f"gather must be one of {GATHER_MODES}, got {gather!r}")
   if gather == "quantized" and axis_name is None:
@@ -75,7 +79,18 @@ def _check_exchange(axis_name, gather: str, scatter: bool) -> Exchange:
   if scatter and gather != "bf16":
     raise ValueError(f"gather={gather!r} has no effect with scatter=True (no gather follows the "
                      f"scatter): pass one of them, not both")
-  return Exchange(axis_name, gather, bool(scatter))
+  if not entropy_code:
+    if capacity_bits is not None:
+      raise ValueError(f"capacity_bits={capacity_bits!r} sizes entropy_code's slots: pass "
+                       f"entropy_code=True with it, or leave it None")
+    return Exchange(axis_name, gather, bool(scatter), None)
+  if axis_name is None:
+    raise ValueError("entropy_code=True needs an axis_name: it codes what the all-to-all sends, "
+                     "and without an axis nothing is sent")
+  capacity_bits = bits - 0.5 if capacity_bits is None else capacity_bits
+  args.check_fraction(capacity_bits, f"capacity_bits (bits a {bits}-bit code, at most {bits})",
+                      0.0, float(bits), closed_low=False)
+  return Exchange(axis_name, gather, bool(scatter), float(capacity_bits))
 
 
 def is_placeholder(params: Any) -> bool:
@@ -135,11 +150,17 @@ def average(sent: CompressedBuckets, plan: buckets.Plan, old: GroupState, s: Loc
   flags = leaves.flag(sent.finite)
   if mode.axis_name is None:
     return Averaged(sent.decompressed, flags, None, None)
-  means, flags = bucketed.all_to_all_mean(sent.packed, sent.scales, s.scale, s.bits, flags,
-                                          mode.axis_name)
+  if mode.capacity_bits is None:
+    means, flags = bucketed.all_to_all_mean(sent.packed, sent.scales, s.scale, s.bits, flags,
+                                            mode.axis_name)
+  else:
+    means, flags = bucketed.coded_all_to_all_mean(
+        sent.packed, sent.scales, s.scale, s.bits, flags, mode.capacity_bits,
+        coders.HUFFMAN_DEFLATE, mode.axis_name)
   if mode.scatter:
-    # No gather follows to bring the flags back replicated: one 4-byte all-reduce does.
-    return Averaged(means, jax.lax.psum(leaves.flag(sent.finite), mode.axis_name), None, None)
+    # No gather follows to bring the flags back replicated: one 4-byte all-reduce does (every
+    # device holds the same sum of the peers' flags; n times 0, NaN or inf keeps its meaning).
+    return Averaged(means, jax.lax.psum(flags, mode.axis_name), None, None)
   if mode.gather == "bf16":
     return Averaged(*bucketed.gather_bf16(means, plan, flags, mode.axis_name), None, None)
   # The averaged shard is re-quantized with its own error: this device's row of every bucket
@@ -195,7 +216,8 @@ def loco(bits: int = 4, scale: float | None = None, error_bits: int | None = Non
          error_scale: float | None = None, beta: float | None = None, reset_interval: int = 1024,
          block_size: int | None = None, axis_name: AxisName | None = None, gather: str = "bf16",
          scatter: bool = False, specs: Any = None, scale_method: str | None = None,
-         clip_rms: float | None = None) -> optax.GradientTransformationExtraArgs:
+         clip_rms: float | None = None, entropy_code: bool = False,
+         capacity_bits: float | None = None) -> optax.GradientTransformationExtraArgs:
   """Compresses gradients to `bits` with LoCo's error feedback; averages them over `axis_name`.
 
   Each step (k = count before it): the error is zeroed if reset_interval > 0 and k is a positive
@@ -221,6 +243,10 @@ def loco(bits: int = 4, scale: float | None = None, error_bits: int | None = Non
     specs: the params' PartitionSpecs where Auto model axes shard them inside a shard_map
       manual over the data axes: each device then sends its own block (`core.local_blocks`).
     scale_method: "absmax", or "rms": the top code at `clip_rms` x the block's rms.
+    entropy_code: Huffman-code the all-to-all's packed codes on the host (`comm.coded`, zlib's
+      Huffman-only deflate) into fixed slots of `capacity_bits` a code (default bits - 0.5);
+      the gather is not coded. Where some slot overflows, every device sends that step raw
+      (lossless); a peer's slot that does not decode makes every device skip the step.
 
   Returns:
     An `optax.GradientTransformationExtraArgs` whose state is a `LocoState`.
@@ -232,7 +258,7 @@ def loco(bits: int = 4, scale: float | None = None, error_bits: int | None = Non
   """
   s = resolve(bits, scale, error_bits, error_scale, beta, reset_interval, block_size,
               scale_method, clip_rms)
-  mode = _check_exchange(axis_name, gather, scatter)
+  mode = _check_exchange(axis_name, gather, scatter, entropy_code, capacity_bits, s.bits)
 
   def init_fn(params):
     if is_placeholder(params):  # optax.tree_map_params's: no state here mirrors the params
