@@ -1,13 +1,12 @@
 """co3's per-shard coded exchange on a mesh: the mean, overflow, device counts, NaN, hostile
 peers (every device skips together, within seconds) and the bytes in the compiled program."""
 
-import threading
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
+from timeouts import within
 
 from loco_jax import comm
 from loco_jax.core import layout
@@ -36,19 +35,6 @@ def _step(opt, n):
                                mesh=mesh, in_specs=(gspecs, specs),
                                out_specs=(jax.tree.map(lambda _: P(), PARAMS), specs)))
   return step, state
-
-
-def _within(seconds, fn):
-  """fn() in a thread; fails the test if it has not returned within `seconds` (a hang)."""
-  result = []
-  # Blocked on: the host hooks must still be in place when the step's callbacks run.
-  thread = threading.Thread(target=lambda: result.append(jax.block_until_ready(fn())),
-                            daemon=True)
-  thread.start()
-  thread.join(seconds)
-  if thread.is_alive():
-    pytest.fail(f"the step did not return within {seconds} s: the devices hang")
-  return result[0]
 
 
 def _sent(grads, n):
@@ -169,7 +155,7 @@ def test_one_overflowing_slot_sends_the_step_raw_on_every_device(per_shard):
     return stream + bytes(1 << 16) if (sender, destination) == (3, 5) else stream
 
   with coded.tampering(pad_one):
-    out, after = _within(60, lambda: step(grads, state))
+    out, after = within(60, lambda: step(grads, state))
   for k in PARAMS:
     np.testing.assert_allclose(np.asarray(out[k]), np.asarray(plain[k]), rtol=1e-6, atol=0)
   assert int(after.overflows) == 1 and int(plain_state.overflows) == 0
@@ -212,7 +198,7 @@ def test_a_hostile_peer_stream_makes_every_device_skip(per_shard, kind):
     return HOSTILE[kind](stream) if (sender, destination) == (6, 2) else stream
 
   with coded.tampering(hostile):
-    out, after = _within(60, lambda: step(grads, state))
+    out, after = within(60, lambda: step(grads, state))
   assert all(np.all(np.isnan(np.asarray(v))) for v in jax.tree.leaves(out))
   assert int(after.rejected) == 1
   kept = after._replace(rejected=state.rejected)
@@ -233,7 +219,7 @@ def test_a_peer_forging_symbols_that_are_no_levels_makes_every_device_skip():
     return forged if (sender, destination) == (1, 6) else stream
 
   with coded.tampering(forge):
-    out, after = _within(60, lambda: step(_grads(11, 8), state))
+    out, after = within(60, lambda: step(_grads(11, 8), state))
   assert all(np.all(np.isnan(np.asarray(v))) for v in jax.tree.leaves(out))
   assert int(after.rejected) == 1 and int(after.count) == 0
 
@@ -248,7 +234,7 @@ def test_a_peer_forging_sums_beyond_any_of_n_levels_makes_every_device_skip():
     return forged if (sender, destination) == (2, -1) else stream
 
   with coded.tampering(forge):
-    out, after = _within(60, lambda: step(_grads(12, 8), state))
+    out, after = within(60, lambda: step(_grads(12, 8), state))
   assert all(np.all(np.isnan(np.asarray(v))) for v in jax.tree.leaves(out))
   assert int(after.rejected) == 1 and int(after.count) == 0
 
@@ -262,7 +248,7 @@ def test_a_corrupt_gathered_stream_makes_every_device_skip(exchange_kw):
     return _flip(stream) if destination == -1 and sender == 4 else stream
 
   with coded.tampering(flip_gathered):
-    out, after = _within(60, lambda: step(_grads(10, 8), state))
+    out, after = within(60, lambda: step(_grads(10, 8), state))
   assert all(np.all(np.isnan(np.asarray(v))) for v in jax.tree.leaves(out))
   assert int(after.rejected) == 1 and int(after.count) == 0
 

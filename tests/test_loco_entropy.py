@@ -2,13 +2,12 @@
 Lossless, so the step equals plain LoCo's exactly; an overflowing slot sends the step raw on
 every device; a hostile peer's stream makes every device skip; the slots in the compiled HLO."""
 
-import threading
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
+from timeouts import within
 
 from loco_jax import comm
 from loco_jax.comm import coded
@@ -26,18 +25,6 @@ def _grads(seed):
   # Heavy-tailed, as real gradients are: the 4-bit codes crowd near 0 and code to ~2-3 bits.
   return {k: jnp.asarray(rng.laplace(0, 1e-3, (N, *x.shape)).astype(np.float32))
           for k, x in sorted(PARAMS.items())}
-
-
-def _within(seconds, fn):
-  """fn() in a thread; fails the test if it has not returned within `seconds` (a hang)."""
-  result = []
-  thread = threading.Thread(target=lambda: result.append(jax.block_until_ready(fn())),
-                            daemon=True)
-  thread.start()
-  thread.join(seconds)
-  if thread.is_alive():
-    pytest.fail(f"the step did not return within {seconds} s: the devices hang")
-  return result[0]
 
 
 def _equal(a, b):
@@ -76,7 +63,7 @@ def test_the_coded_step_is_plain_locos_step_exactly(steps):
 def test_slots_too_small_send_every_step_raw_with_the_same_result(steps):
   (plain, state), (tight, tight_state) = steps["plain"], steps["tight"]
   grads = _grads(4)
-  _same_step(_within(60, lambda: tight(grads, tight_state)), plain(grads, state))
+  _same_step(within(60, lambda: tight(grads, tight_state)), plain(grads, state))
 
 
 def test_one_overflowing_slot_sends_the_step_raw_on_every_device(steps):
@@ -88,7 +75,7 @@ def test_one_overflowing_slot_sends_the_step_raw_on_every_device(steps):
     return stream + bytes(1 << 16) if (sender, destination) == (3, 5) else stream
 
   with coded.tampering(pad_one):
-    got = _within(60, lambda: coded_step(grads, coded_state))
+    got = within(60, lambda: coded_step(grads, coded_state))
   _same_step(got, expected)
 
 
@@ -107,7 +94,7 @@ def test_a_hostile_peer_stream_makes_every_device_skip(steps, hostile):
     return hostile(stream) if (sender, destination) == (6, 2) else stream
 
   with coded.tampering(tamper):
-    out, after = _within(60, lambda: coded_step(_grads(6), state))
+    out, after = within(60, lambda: coded_step(_grads(6), state))
   assert all(np.all(np.isnan(np.asarray(v))) for v in jax.tree.leaves(out))
   _equal(after, state)
   good, _ = coded_step(_grads(6), state)  # and the next step runs as usual
