@@ -20,12 +20,16 @@ from loco_jax.apps import demo_output
 from loco_jax.train import files
 
 METHODS = ("none", "bf16", "int4-noef", "ef4", "loco4", "loco4-fixed", "co3-fp4", "ef2", "ef3",
-           "loco2", "loco3", "co3-fp8", "co3-fp4-coded")
+           "loco2", "loco3", "co3-fp8", "co3-fp4-coded", "loco4-entropy")
 CO3_METHODS = {"co3-fp4": ("fp4", "bf16"), "co3-fp8": ("fp8", "bf16"),
                "co3-fp4-coded": ("fp4", "coded")}  # method -> (fmt, gather)
 # Without --methods the demo runs these (the 2- and 3-bit methods are asked for by name).
 DEFAULT_METHODS = METHODS[:7]
-LOCO_METHODS = ("loco4", "loco4-fixed", "loco2", "loco3")  # the ones --reset-interval applies to
+# The ones --reset-interval applies to.
+LOCO_METHODS = ("loco4", "loco4-fixed", "loco2", "loco3", "loco4-entropy")
+# loco4-entropy's slots: the demo's 4-bit codes carry 1.7-1.9 bits of entropy
+# (docs/EXPERIMENTS_CO3.md); a slot that does not fit sends the step raw.
+ENTROPY_CAPACITY_BITS = 2.5
 DESCRIPTIONS = {
     "none": "float32 all-reduce (uncompressed)",
     "bf16": "bfloat16 all-reduce",
@@ -33,6 +37,8 @@ DESCRIPTIONS = {
     "ef4": "4-bit absmax blocks, classic error feedback (beta=0, float32 error)",
     "loco4": "LoCo: 4-bit blocks, 8-bit error averaged with beta=0.8, reset every 1024",
     "loco4-fixed": "LoCo with the paper's one fixed scale s (default 2**17) and s_e = 4s",
+    "loco4-entropy": f"loco4 with the all-to-all's codes Huffman-coded on the host in slots of "
+                     f"{ENTROPY_CAPACITY_BITS} bits a code",
     "co3-fp4": "CO3: fp4 with a GenNorm-fitted scale, Huffman, error decay gamma=0.7; each "
                "device's shard Huffman-coded through one all-to-all, bf16 all-gather",
     "co3-fp8": "CO3 as co3-fp4, in fp8 [1,5,2]",
@@ -149,6 +155,11 @@ def make_compressor(method: str, config: DemoConfig = DemoConfig(),
     return loco(bits=int(method[4]), reset_interval=reset, axis_name=axis_name)
   if method == "loco4":
     return loco(bits=4, block_size=b, reset_interval=reset, axis_name=axis_name)
+  if method == "loco4-entropy":
+    if axis_name is None:
+      raise DemoError("loco4-entropy codes what the all-to-all sends: it needs an axis_name")
+    return loco(bits=4, block_size=b, reset_interval=reset, axis_name=axis_name,
+                entropy_code=True, capacity_bits=ENTROPY_CAPACITY_BITS)
   if method == "loco4-fixed":
     s = config.fixed_scale
     return loco(bits=4, scale=s, error_scale=4 * s, block_size=b, reset_interval=reset,
