@@ -9,7 +9,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 from timeouts import within
 
-from loco_jax import comm
+from loco_jax import comm, kernels
+from loco_jax.codecs import huffman_deflate
 from loco_jax.comm import coded
 from loco_jax.core import buckets
 from loco_jax.transforms import coders
@@ -137,8 +138,6 @@ def test_the_all_to_all_sends_slots_of_the_capacity(steps):
 
 def test_the_coder_sends_fewer_bits_than_the_packed_codes_on_heavy_tailed_gradients():
   """What a slot's capacity is measured against: the coded rate of LoCo's codes."""
-  from loco_jax.codecs import huffman_deflate
-  from loco_jax import kernels
   g = _grads(9)["w"][0].reshape(-1)
   out = kernels.compress_step(g, jnp.zeros(g.size, jnp.int8), jnp.zeros(g.size // 2048),
                               bits=4, error_bits=8, beta=0.8, reset=False, block_size=2048)

@@ -78,20 +78,19 @@ def coded_all_to_all_mean(packed: Sequence[jax.Array], scales: Sequence[jax.Arra
   all run the raw exchange instead, inside a lax.cond (lossless); a slot that does not decode
   to exactly its row makes the returned flag +inf on every device (the step is skipped).
   """
-  rows = packed[0].shape[0]
+  rows, blocks = packed[0].shape[0], [x.shape[1] for x in packed]
   codes = [_as_bytes(x) for x in packed]
   side = ([] if scales is None else list(scales)) + [
       jnp.broadcast_to(flag.astype(jnp.float32), (rows, 1))]
-  widths = [s.shape[1] for s in side]
   codes_B = jnp.concatenate(codes, axis=1)
   capacity = coded.slot_bytes(codes_B.shape[1], capacity_bits * 8 / bits, coder)
   got = coded.all_to_all(codes_B, jnp.concatenate(side, axis=1), capacity, coder, axis_name)
   overflowed, corrupt = jax.lax.psum(got.missing, axis_name)
 
   def decoded():
-    peer_side = _cut(got.side, widths)
-    return (_means(_cut(got.rows, [x.shape[1] for x in codes]),
-                   None if scales is None else peer_side[:-1], [x.shape[1] for x in packed],
+    peer_side = _cut(got.side, [s.shape[1] for s in side])
+    peer_scales = None if scales is None else peer_side[:-1]
+    return (_means(_cut(got.rows, [x.shape[1] for x in codes]), peer_scales, blocks,
                    fixed_scale, bits),
             peer_side[-1].sum())
 
