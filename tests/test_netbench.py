@@ -374,6 +374,7 @@ def test_co3_methods_record_which_exchange_ran_and_their_coded_bits(method, n):
   if n == 4:   # the traced step, split: CO3's coder runs in host callbacks
     assert r["profile"]["wall_s"] > 0
     assert all(r["profile"][k] > 0 for k in netbench_profile.KINDS), r["profile"]
+    assert r["profile"]["top"][0]["seconds"] > 0
   else:
     assert r["profile"] is None
 
@@ -399,6 +400,19 @@ def test_profile_sums_thunks_by_the_kind_of_their_instruction():
             {"ph": "i", "name": "add_fusion.1", "dur": 99000}]
   assert netbench_profile.thunk_seconds(events, kinds, steps=2) == pytest.approx(
       {"collectives": 0.003, "host_callbacks": 0.0035, "compute": 0.0015})
+  top = netbench_profile.top_instructions(events, kinds, {"add_fusion.1": "fp.py:12"}, steps=2,
+                                          count=2)
+  assert top == [{"name": "buffer_callback.2", "kind": "host_callbacks", "source": "?",
+                  "seconds": pytest.approx(0.0035)},
+                 {"name": "all-to-all.3", "kind": "collectives", "source": "?",
+                  "seconds": pytest.approx(0.0025)}]
+
+
+def test_instruction_sources_name_the_line_that_made_each_instruction():
+  hlo = ('  %fusion.3 = u8[8]{0} fusion(%p), kind=kLoop, calls=%f, metadata={op_name="jit(step)/'
+         'round" source_file="/x/loco_jax/codecs/fp.py" source_line=141}\n'
+         '  %copy.1 = f32[8]{0} copy(%q)\n')
+  assert netbench_profile.instruction_sources(hlo) == {"fusion.3": "fp.py:141"}
 
 
 def test_overflow_steps_add_the_raw_resend_to_the_prediction(monkeypatch):

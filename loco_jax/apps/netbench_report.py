@@ -4,7 +4,7 @@ step, the bits on the wire against the compiled program's, tables, checks and th
 import math
 import statistics
 
-from loco_jax.apps import netns
+from loco_jax.apps import netbench_profile, netns
 
 BITS_TOLERANCE = 0.02         # measured within 2% of the compiled program's prediction
 
@@ -47,7 +47,7 @@ def summarize(results: list[dict], hosts: int, rate: str, n_params: int, nodes: 
     if rows[0].get("profile"):   # netbench_profile: seconds a step of each kind, per host
       record["profile_per_host"] = [r["profile"] for r in rows]
       record["profile"] = {k: statistics.mean(r["profile"][k] for r in rows)
-                           for k in rows[0]["profile"]}
+                           for k in ("wall_s", *netbench_profile.KINDS)}
     if nodes > 1:
       record.update(_inter_node(rows[0], n_params, nodes, inter_rate, record["predicted_wire_s"]))
     records.append(record)
@@ -255,6 +255,11 @@ def format_profile_table(records: list[dict]) -> list[str]:
     lines.append(f"| {r['method']} | {r['hosts']} | {link_setting(r)} | {r['step_s'] * 1e3:.1f} "
                  f"| {p['wall_s']} | {p['collectives']} | {p['host_callbacks']} | "
                  f"{p['compute']} |")
+  for r in (r for r in records if r.get("profile")):
+    lines += ["", f"{r['method']}, {r['hosts']} hosts, {link_setting(r)}: host 0's costliest "
+              "instructions", "| instruction | kind | made at | ms a step |", "|---|---|---|---|"]
+    lines += [f"| {t['name']} | {t['kind']} | {t['source']} | {t['seconds'] * 1e3:.2f} |"
+              for t in r["profile_per_host"][0]["top"]]
   return lines
 
 
