@@ -408,11 +408,34 @@ def test_profile_sums_thunks_by_the_kind_of_their_instruction():
                   "seconds": pytest.approx(0.0025)}]
 
 
-def test_instruction_sources_name_the_line_that_made_each_instruction():
-  hlo = ('  %fusion.3 = u8[8]{0} fusion(%p), kind=kLoop, calls=%f, metadata={op_name="jit(step)/'
-         'round" source_file="/x/loco_jax/codecs/fp.py" source_line=141}\n'
-         '  %copy.1 = f32[8]{0} copy(%q)\n')
-  assert netbench_profile.instruction_sources(hlo) == {"fusion.3": "fp.py:141"}
+def test_instruction_sources_name_the_library_lines_that_made_each_instruction():
+  # The tables of a compiled module's text (jax 0.10): frame 3 (fp.py:141) was called from
+  # frame 2 (co3.py:201), called from frame 1 (an application's line); parent ids are + 1.
+  hlo = """HloModule jit_step
+
+FileNames
+1 "/x/loco_jax/apps/netbench_worker.py"
+2 "/x/loco_jax/transforms/co3.py"
+3 "/x/loco_jax/codecs/fp.py"
+FunctionNames
+1 "run"
+FileLocations
+1 {file_name_id=1 function_name_id=1 line=12 end_line=12 column=2 end_column=2}
+2 {file_name_id=2 function_name_id=1 line=201 end_line=201 column=2 end_column=2}
+3 {file_name_id=3 function_name_id=1 line=141 end_line=141 column=2 end_column=2}
+StackFrames
+1 {file_location_id=1 parent_frame_id=1}
+2 {file_location_id=2 parent_frame_id=2}
+3 {file_location_id=3 parent_frame_id=3}
+
+ENTRY %main {
+  %fusion.3 = u8[8]{0} fusion(%p), kind=kLoop, calls=%f, metadata={op_name="jit(step)/round" stack_frame_id=3}
+  %fusion.4 = u8[8]{0} fusion(%p), kind=kLoop, calls=%f, metadata={op_name="jit(step)/x" stack_frame_id=1}
+  %copy.1 = f32[8]{0} copy(%q)
+}"""
+  assert netbench_profile.instruction_sources(hlo) == {
+      "fusion.3": "codecs/fp.py:141 < transforms/co3.py:201",
+      "fusion.4": "apps/netbench_worker.py:12"}   # no library frame: the innermost one
 
 
 def test_overflow_steps_add_the_raw_resend_to_the_prediction(monkeypatch):

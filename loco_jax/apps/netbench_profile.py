@@ -4,7 +4,7 @@ collectives (the wire, and the wait for the peers), the host callbacks (CO3's co
 compute (every other instruction: fusions, copies). Control flow (conditionals, loops) is left
 out, its instructions are counted where they run. Sums of thunk wall times: on a busy machine
 they include time the thread waited for a core. `top_instructions` names the costliest
-instructions with the source line that made them (from the HLO's metadata).
+instructions with the library lines that made them (from the HLO's stack frames).
 """
 
 import collections
@@ -46,13 +46,21 @@ def instruction_kinds(hlo_text: str) -> dict[str, str]:
   return kinds
 
 
-def thunk_seconds(events: list[dict], kinds: dict[str, str], steps: int) -> dict[str, float]:
-  """Seconds a step of each kind: the complete ("X") trace events named after an instruction
-  of `kinds`, summed and divided by `steps`."""
-  total = collections.Counter({k: 0.0 for k in KINDS})
+def _seconds_by_instruction(events: list[dict], kinds: dict[str, str]) -> collections.Counter:
+  """Seconds of the complete ("X") trace events named after an instruction of `kinds`."""
+  total = collections.Counter()
   for e in events:
     if e.get("ph") == "X" and e.get("name") in kinds:
-      total[kinds[e["name"]]] += e.get("dur", 0) * 1e-6
+      total[e["name"]] += e.get("dur", 0) * 1e-6
+  return total
+
+
+def thunk_seconds(events: list[dict], kinds: dict[str, str], steps: int) -> dict[str, float]:
+  """Seconds a step of each kind: the trace's thunks, summed by their instruction's kind and
+  divided by `steps`."""
+  total = collections.Counter({k: 0.0 for k in KINDS})
+  for name, seconds in _seconds_by_instruction(events, kinds).items():
+    total[kinds[name]] += seconds
   return {k: total[k] / steps for k in KINDS}
 
 
@@ -81,18 +89,21 @@ def instruction_sources(hlo_text: str) -> dict[str, str]:
   files, locations = tables.get("FileNames", {}), tables.get("FileLocations", {})
   frames = tables.get("StackFrames", {})
 
-  def place(frame: int) -> str:
+  def place(frame: int) -> tuple[bool, str]:
+    """(whether the frame is the library's, "path:line" with the library's paths short)."""
     location = locations[_field(frames[frame], "file_location_id")]
     path = files[_field(location, "file_name_id")].strip('"')
-    return f"{path.split('/loco_jax/')[-1]}:{_field(location, 'line')}"
+    _, inside, short = path.rpartition("/loco_jax/")
+    return (bool(inside) and not short.startswith("apps/"),
+            f"{short if inside else path}:{_field(location, 'line')}")
 
   def source(frame: int) -> str:
     stack = []
     while frame in frames:   # a frame's parent_frame_id is its parent's id + 1; 0: none
       stack.append(place(frame))
       frame = _field(frames[frame], "parent_frame_id") - 1
-    library = [p for p in dict.fromkeys(stack) if "/" in p and not p.startswith(("apps/", "/"))]
-    return " < ".join(library[:3]) or stack[0]
+    library = [text for ours, text in dict.fromkeys(stack) if ours]
+    return " < ".join(library[:3]) or stack[0][1]
 
   sources = {}
   for line in hlo_text.splitlines():
@@ -106,10 +117,7 @@ def top_instructions(events: list[dict], kinds: dict[str, str], sources: dict[st
                      steps: int, count: int = TOP) -> list[dict]:
   """The `count` instructions of `kinds` that took longest: {"name", "kind", "source",
   "seconds"} a step, longest first."""
-  total = collections.Counter()
-  for e in events:
-    if e.get("ph") == "X" and e.get("name") in kinds:
-      total[e["name"]] += e.get("dur", 0) * 1e-6
+  total = _seconds_by_instruction(events, kinds)
   return [{"name": name, "kind": kinds[name], "source": sources.get(name, "?"),
            "seconds": seconds / steps} for name, seconds in total.most_common(count)]
 
