@@ -213,7 +213,8 @@ def error_stats(compressor_state: Any, devices: int) -> dict | None:
                  zero_scale_fraction=float(np.mean(every == 0)))
   norms = np.sqrt(sum(np.sum(np.square(e.astype(np.float64)), axis=1) for e in errors))
   stats.update(norm_mean=float(norms.mean()), norm_max=float(norms.max()))
-  if hasattr(compressor_state, "count"):
+  # A field, not the `count` method every tuple has (EF's state is a NamedTuple without one).
+  if "count" in getattr(compressor_state, "_fields", ()):
     stats["count"] = int(compressor_state.count)
   return stats
 

@@ -184,6 +184,13 @@ def test_error_stats_dequantize_each_block():
   assert stats["zero_scale_fraction"] == 0.25 and stats["count"] == 5
 
 
+def test_error_stats_of_a_state_without_a_step_count():
+  """EF's state: a float32 error and no count field (a tuple's `count` method is no count)."""
+  state = collections.namedtuple("State", "error")({"": np.array([3.0, 4.0, 0.0, 0.0])})
+  stats = long_run.error_stats(state, devices=2)
+  assert stats == {"norm_mean": pytest.approx(2.5), "norm_max": pytest.approx(5.0)}
+
+
 @pytest.mark.slow
 def test_report_on_the_short_form(short_runs, tmp_path, capsys):
   whole, _, _ = short_runs
