@@ -458,3 +458,14 @@ def test_overflow_steps_add_the_raw_resend_to_the_prediction(monkeypatch):
   record["measured_bits_per_host"] = [record["expected_bits_per_param"] * 1.005]
   assert netbench_report.check([record], 0.0) == []
   assert "3 of 3" in netbench_report.format_state_table([record])[2]
+
+
+def test_profile_table_lists_each_profiled_methods_costliest_instructions():
+  top = [{"name": "fusion.3", "kind": "compute", "source": "codecs/fp.py:141", "seconds": 0.015}]
+  record = {"method": "co3-fp4", "hosts": 2, "rate": "1gbit", "step_s": 0.13,
+            "profile": {"wall_s": 0.133, "collectives": 0.027, "host_callbacks": 0.048,
+                        "compute": 0.071},
+            "profile_per_host": [{"top": top}, {"top": []}]}
+  lines = netbench_report.format_profile_table([record, {**record, "profile": None}])
+  assert sum(line.startswith("| co3-fp4 | 2 |") for line in lines) == 1
+  assert "| fusion.3 | compute | codecs/fp.py:141 | 15.00 |" in lines

@@ -250,12 +250,13 @@ def format_profile_table(records: list[dict]) -> list[str]:
   """The traced steps (netbench --profile): their wall time and their thunks' by kind."""
   lines = ["| method | hosts | rate | step ms (timed) | traced step ms | collectives ms | "
            "host callbacks ms | compute ms |", "|---|---|---|---|---|---|---|---|"]
-  for r in (r for r in records if r.get("profile")):
+  profiled = [r for r in records if r.get("profile")]
+  for r in profiled:
     p = {k: f"{v * 1e3:.1f}" for k, v in r["profile"].items()}
     lines.append(f"| {r['method']} | {r['hosts']} | {link_setting(r)} | {r['step_s'] * 1e3:.1f} "
                  f"| {p['wall_s']} | {p['collectives']} | {p['host_callbacks']} | "
                  f"{p['compute']} |")
-  for r in (r for r in records if r.get("profile")):
+  for r in profiled:
     lines += ["", f"{r['method']}, {r['hosts']} hosts, {link_setting(r)}: host 0's costliest "
               "instructions", "| instruction | kind | made at | ms a step |", "|---|---|---|---|"]
     lines += [f"| {t['name']} | {t['kind']} | {t['source']} | {t['seconds'] * 1e3:.2f} |"
