@@ -32,10 +32,12 @@ def pytest_configure(config):
   config.addinivalue_line(
       "markers", "numerics: asserts floating-point results of the library's arithmetic "
       "(kernels, codecs, the collectives' means) against references and thresholds near its "
-      "rounding; scripts/test runs these again under a lower CPU vector ISA, since XLA:CPU "
-      "contracts multiply-adds into FMAs differently with AVX-512 and AVX2. Not marked: whole "
-      "training paths compared with each other (fsdp and zero2, a model-sharded mesh and a data "
-      "mesh, two processes and one), which run the same kernels at looser tolerances")
+      "rounding; scripts/test compiles these as a user's program is (the others with "
+      "XLA:CPU's faster-compiling loop emitters) and runs them again under a lower CPU vector "
+      "ISA, since XLA:CPU contracts multiply-adds into FMAs differently with AVX-512 and AVX2. "
+      "Not marked: whole training paths compared with each other (fsdp and zero2, a "
+      "model-sharded mesh and a data mesh, two processes and one), which run the same kernels "
+      "at looser tolerances")
   config.addinivalue_line(
       "markers", "slow: takes more than a few seconds; `sh scripts/test --quick` leaves it out")
 

@@ -342,7 +342,6 @@ WIRE = {
 }
 
 
-@pytest.mark.numerics
 @pytest.mark.parametrize("name", sorted(WIRE))
 def test_wire_bits_from_the_hlo(mesh, name, shard_mapped_update):
   factory = getattr(baselines, name)   # default block size, 2048
@@ -358,7 +357,6 @@ def test_wire_bits_from_the_hlo(mesh, name, shard_mapped_update):
     assert 0.85 * most < bits[(op, dtype)] <= most + 1e-9, (op, bits)
 
 
-@pytest.mark.numerics
 def test_topk_wire_bits_are_proportional_to_the_fraction(mesh, shard_mapped_update):
   n_params = sum(x.size for x in jax.tree.leaves(WIRE_PARAMS))
   grads = _device_grads(WIRE_PARAMS, 0)

@@ -63,7 +63,6 @@ def test_small_leaves_are_not_padded_to_a_full_block():
              for leaf in p.leaves)
 
 
-@pytest.mark.numerics
 def test_a_second_short_length_is_taken_where_it_saves_bytes():
   sizes = (256, 768, 1024, 65536, 196608)
   # Over 64 devices the big leaves' shards (1024 and 3072 values) are shorter than a block too.
@@ -201,7 +200,6 @@ def test_scatter_gives_each_device_its_per_leaf_shard(mesh):
 
 
 @pytest.mark.slow
-@pytest.mark.numerics
 def test_wire_bits_of_a_gpt2_shaped_tree_stay_at_4_plus_16(mesh):
   params = jax.tree.map(jnp.zeros, bench.gpt2_shapes(d_model=64, layers=2),
                         is_leaf=lambda s: isinstance(s, tuple))

@@ -76,7 +76,6 @@ def test_block_scales_average_close_to_the_true_mean(mesh, gather, shard_mapped_
 
 
 @pytest.mark.slow
-@pytest.mark.numerics
 def test_wire_bytes_from_the_hlo(mesh, shard_mapped_update):
   report = {}
   for gather in ("bf16", "quantized"):

@@ -46,7 +46,6 @@ def test_two_hops_track_the_mean(intra, gather, step_of):
 
 
 @pytest.mark.slow
-@pytest.mark.numerics
 def test_wire_bytes_per_hop(step_of):
   report = {}
   for intra in ("reduce_scatter", "loco"):
@@ -65,7 +64,6 @@ def test_wire_bytes_per_hop(step_of):
 
 
 @pytest.mark.slow
-@pytest.mark.numerics
 def test_a_quantized_gather_carries_bits_across_nodes_not_16(step_of):
   across = {}
   for gather in ("bf16", "quantized"):

@@ -76,7 +76,6 @@ def test_mean_16bit_chooses_the_collective_per_backend(mesh):
 
 
 @pytest.mark.slow
-@pytest.mark.numerics
 @pytest.mark.parametrize("name, make, most_bits", [
     # (N-1)/N of: 4-bit codes + scales + flags, then 16 (bf16 gather) or 4 + scales.
     ("loco", lambda: loco(axis_name="data"), 7 / 8 * 20.5),
