@@ -379,6 +379,17 @@ def test_co3_methods_record_which_exchange_ran_and_their_coded_bits(method, n):
     assert r["profile"] is None
 
 
+def test_host_work_is_the_busiest_hosts_cpu_outside_its_collectives():
+  r = _measure_in_process("loco", 2)
+  assert r["cpu_s"] > 0 and r["collectives_cpu_s"] > 0
+  hosts = [{**r, "cpu_s": 0.5, "collectives_cpu_s": 0.2},
+           {**r, "host": 1, "cpu_s": 0.4, "collectives_cpu_s": 0.0}]
+  (record,) = netbench_report.summarize(hosts, 2, "1gbit", 4096)
+  assert record["host_work_s"] == pytest.approx(0.4)
+  row = netbench_report.format_table([record])[2].split(" | ")
+  assert row[6] == f"{0.4e9 / 4096:.1f}"   # ns a parameter a step
+
+
 def test_profile_sums_thunks_by_the_kind_of_their_instruction():
   hlo = """ENTRY %main {
   %p = f32[8]{0} parameter(0)

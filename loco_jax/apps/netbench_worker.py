@@ -187,12 +187,18 @@ def _train(method: str, config, corpus, mesh, interface: str, jax, jnp, P,
 
 
 def _median_time(fn, *args, steps: int, jax) -> float:
-  times = []
+  return _median_times(fn, *args, steps=steps, jax=jax)[0]
+
+
+def _median_times(fn, *args, steps: int, jax) -> tuple[float, float]:
+  """`fn(*args)`'s median wall time and median process CPU time (every thread of this host)."""
+  times, cpu = [], []
   for _ in range(steps):
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     jax.block_until_ready(fn(*args))
     times.append(time.perf_counter() - t0)
-  return statistics.median(times)
+    cpu.append(time.process_time() - c0)
+  return statistics.median(times), statistics.median(cpu)
 
 
 def _meshes(args, jax) -> dict:
@@ -296,6 +302,7 @@ def _measure(method: str, args, mesh, barrier, ones, uplinks: list[tuple[str, st
   replay_ones = _ones(mesh, jax)
   jax.block_until_ready(replay(replay_ones))
   jax.block_until_ready(barrier(ones))
+  collectives_s, collectives_cpu_s = _median_times(replay, replay_ones, steps=args.steps, jax=jax)
   per_step = args.steps * args.params
   return {
       "method": method, "topology": table.topology, "steps": args.steps,
@@ -304,7 +311,8 @@ def _measure(method: str, args, mesh, barrier, ones, uplinks: list[tuple[str, st
       "counts": counts, "gauges": _host_values(state, table.gauges), "profile": profiled,
       "conditional_steps": counts.get(table.conditional_count, 0),
       "step_s": statistics.median(times), "cpu_s": statistics.median(cpu), "sent_bytes": sent,
-      "collectives_s": _median_time(replay, replay_ones, steps=args.steps, jax=jax),
+      # The step's own host work is its CPU outside the collectives: cpu_s - collectives_cpu_s.
+      "collectives_s": collectives_s, "collectives_cpu_s": collectives_cpu_s,
       "measured_bits_per_param": 8 * sent / per_step,
       "predicted_bits_per_param": comm.wire_bits_per_param(found, args.params)
                                   * args.devices_per_host,

@@ -217,7 +217,7 @@ def _sum_gather(settings: Co3Settings, got: coded.Received, layouts: list, scale
   n, fmt = len(got.rows), settings.fmt
   unit, offset = level_unit(fmt), max_sum(fmt, n)
   levels = row_values(got.rows, jnp.ones((n, len(layouts)), jnp.float32), layouts, fmt)
-  sum_R = jnp.concatenate([jnp.sum(v * unit, axis=0) for v in levels])  # integers: exact
+  sum_R = jnp.concatenate([quant.sum_rows(v * unit) for v in levels])  # integers: exact
   # A symbol that is no level (a NaN gradient's, or a peer's forgery) makes the sum NaN: the
   # step is skipped, as for a stream that does not decode.
   valid = jnp.all(jnp.isfinite(sum_R))
