@@ -12,7 +12,8 @@ bf16 gather, on gradients drawn from GenNorm(beta=1) (CO3's coded rate on them i
 - average: the jitted receive side (symbols of the n rows -> values -> float32 mean -> bf16 ->
   float32 of the gathered shards);
 - step: the whole step on a mesh of `--devices` simulated CPU devices (collectives included),
-  CPU time of the process / devices, and the same step without coding (entropy_code=False).
+  CPU time of the process / devices, and the same step without coding (entropy_code=False);
+  `--gather coded` times the step with the exact-sum coded gather instead of the bf16 one.
 The steps run with the state carried from step to step and no refit (the GenNorm fit runs
 every `refit_interval` steps; its cost a refit step is reported apart, `refit_step`).
 
@@ -57,6 +58,8 @@ def main(argv=None) -> dict:
   p.add_argument("--devices", type=int, default=8)
   p.add_argument("--repeats", type=int, default=7)
   p.add_argument("--parts", default="convert,coder,callbacks,average,step")
+  p.add_argument("--gather", choices=("bf16", "coded"), default="bf16",
+                 help="the step's gather of the averaged shards")
   args = p.parse_args(argv)
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                              f" --xla_force_host_platform_device_count={args.devices}")
@@ -82,7 +85,7 @@ def main(argv=None) -> dict:
                                       "all_to_all", None)
   layouts = [layout.leaf_layout(x.size, n, None) for x in leaf_grads]
   scales = jnp.full((4,), gennorm.fp4_scale(1.0, 1e-3), jnp.float32)
-  record = {"params": size, "devices": n, "repeats": args.repeats}
+  record = {"params": size, "devices": n, "repeats": args.repeats, "gather": args.gather}
 
   @jax.jit
   def convert(grads, errors):
@@ -146,8 +149,8 @@ def main(argv=None) -> dict:
     grads = {k: jnp.asarray(np.tile(np.asarray(x), (n, 1))) for k, x in zip(params,
                                                                                leaf_grads)}
     for name, coded_step in (("step", True), ("raw_step", False)):
-      opt = co3_module.co3("fp4", axis_name="data", exchange="all_to_all", gather="bf16",
-                           entropy_code=coded_step)
+      opt = co3_module.co3("fp4", axis_name="data", exchange="all_to_all",
+                           gather=args.gather, entropy_code=coded_step)
       state, specs = parallel.init_opt_state(opt, params, mesh)
       step = jax.jit(jax.shard_map(
           lambda x, s: opt.update(jax.tree.map(lambda v: v[0], x), s), mesh=mesh,
