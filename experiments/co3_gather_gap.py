@@ -9,7 +9,8 @@ Every variant is the demo's co3-fp4 (8 simulated devices, adamw, gamma 0.7):
   `co3_exchange.agree_scales`);
 - bf16-agreed: the bf16 gather with the scales agreed as the coded gather agrees them;
 - coded-<rule>: the coded gather with the scales agreed otherwise (geomean: the geometric mean
-  of the devices' scales, max: the largest).
+  of the devices' scales, max: the largest);
+- bf16-pow2: the bf16 gather at scales a finer exact sum could use (`POW2_OCTAVES` below).
 The script wraps co3's functions for the run (a hook of this experiment, not an option of the
 library). The variants of the gather that converted the averaged shard to fp4 again (the
 shard's gamma, its refit) ran with this script at commit 338554f, against that library.
@@ -98,6 +99,14 @@ def install(recorder, agree_rule):
   elif agree_rule == "geomean":
     co3_exchange.agree_scales = lambda settings, scales: jnp.exp(
         jax.lax.pmean(jnp.log(scales), settings.axis_name))
+  elif agree_rule == "pow2":  # the bf16 gather, as a sum of levels in a finer unit would be
+    co3_exchange.sums_levels = lambda settings, n: n > 1
+
+    def finer(settings, scales):
+      smallest = jax.lax.pmin(scales, settings.axis_name)
+      octaves = jnp.clip(jnp.floor(jnp.log2(scales / smallest)), 0, POW2_OCTAVES)
+      return smallest * 2.0 ** octaves
+    co3_exchange.agree_scales = finer
   elif agree_rule == "max":
     co3_exchange.agree_scales = lambda settings, scales: jax.lax.pmax(scales,
                                                                       settings.axis_name)
@@ -109,7 +118,13 @@ VARIANTS = {  # name -> (gather, how scales are agreed: None as the library does
     "bf16-agreed": ("bf16", "always"),
     "coded-geomean": ("coded", "geomean"),
     "coded-max": ("coded", "max"),
+    "bf16-pow2": ("bf16", "pow2"),
 }
+# bf16-pow2: each device at the smallest scale times 2**k, k = floor(log2(own / smallest)) in
+# [0, POW2_OCTAVES]: no device saturates more than at its own scale (as with the smallest), the
+# smaller gradients keep up to 2**POW2_OCTAVES finer levels, and the levels still add exactly
+# in units of the finest one (n * 6 * 2**POW2_OCTAVES + 1 values: a byte up to n = 10 at 1).
+POW2_OCTAVES = 1
 
 
 def run(variant: str, seed: int, steps: int) -> dict:
