@@ -167,7 +167,7 @@ def _train(method: str, config, corpus, mesh, interface: str, jax, jnp, P,
   replay = netbench_methods.collectives_replay(found, mesh)
   ones = _ones(mesh, jax)
   jax.block_until_ready(replay(ones))
-  collectives_s = _median_time(replay, ones, steps=5, jax=jax)
+  collectives_s = _median_times(replay, ones, steps=5, jax=jax)[0]
   if unshard is None:
     local = jax.tree.map(lambda x: x.addressable_data(0), state.params)
   else:  # the shards of every host, gathered, then put back into the model's shapes
@@ -184,10 +184,6 @@ def _train(method: str, config, corpus, mesh, interface: str, jax, jnp, P,
           "predicted_bits_per_param": comm.wire_bits_per_param(found, n_params),
           # Async collectives with compute scheduled between start and done (overlap).
           "overlapped_collectives": sum(comm.async_collectives(compiled_text).values())}
-
-
-def _median_time(fn, *args, steps: int, jax) -> float:
-  return _median_times(fn, *args, steps=steps, jax=jax)[0]
 
 
 def _median_times(fn, *args, steps: int, jax) -> tuple[float, float]:
