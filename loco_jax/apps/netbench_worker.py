@@ -264,21 +264,22 @@ def _measure(method: str, args, mesh, barrier, ones, uplinks: list[tuple[str, st
   found = comm.collectives_per_step(compiled_text, mesh.size)   # comm.compiled_collectives
   node_of = [d.process_index // (args.hosts // args.nodes) for d in mesh.devices.flat]
   inter = netbench_methods.node_sent_bytes(found, node_of) if args.nodes > 1 else None
-  for _ in range(args.warmup):
+  out = None
+
+  def run_step():
+    nonlocal out, state
     out, state = step(grads, state)
-    jax.block_until_ready(out)
+    return out
+
+  for _ in range(args.warmup):
+    jax.block_until_ready(run_step())
   jax.block_until_ready(barrier(ones))   # every host has finished the warm-up
   uplinks0 = _uplinks_sent(uplinks)
   jax.block_until_ready(barrier(ones))   # ... and the uplinks' counters are read
   table = netbench_methods.METHODS[method]
   counts0 = _host_values(state, table.counts)
-  tx0, times, cpu = _tx_bytes(args.interface), [], []
-  for _ in range(args.steps):
-    t0, c0 = time.perf_counter(), time.process_time()
-    out, state = step(grads, state)
-    jax.block_until_ready(out)
-    times.append(time.perf_counter() - t0)
-    cpu.append(time.process_time() - c0)
+  tx0 = _tx_bytes(args.interface)
+  step_s, cpu_s = _median_times(run_step, steps=args.steps, jax=jax)
   jax.block_until_ready(barrier(ones))  # the peers have received all this host sent
   sent = _tx_bytes(args.interface) - tx0
   uplinks_sent = [b - a for a, b in zip(uplinks0, _uplinks_sent(uplinks))]
@@ -286,12 +287,9 @@ def _measure(method: str, args, mesh, barrier, ones, uplinks: list[tuple[str, st
             zip(counts0.items(), _host_values(state, table.counts).values())}
   profiled = None
   if args.profile:   # every host runs the same steps: they hold collectives
-    def run_step():
-      nonlocal out, state
-      out, state = step(grads, state)
-      jax.block_until_ready(out)
     with tempfile.TemporaryDirectory(prefix="netbench-profile-") as folder:
-      profiled = netbench_profile.profile(run_step, compiled_text, args.profile, folder)
+      profiled = netbench_profile.profile(lambda: jax.block_until_ready(run_step()),
+                                          compiled_text, args.profile, folder)
     jax.block_until_ready(barrier(ones))
   # Where the step's time goes: its collectives alone, as compiled (same pieces, same bytes).
   replay = netbench_methods.collectives_replay(found, mesh)
@@ -306,8 +304,7 @@ def _measure(method: str, args, mesh, barrier, ones, uplinks: list[tuple[str, st
       "exchange": " + ".join(dict.fromkeys(c.op for c in found if not c.conditional)),
       "counts": counts, "gauges": _host_values(state, table.gauges), "profile": profiled,
       "conditional_steps": counts.get(table.conditional_count, 0),
-      "step_s": statistics.median(times), "cpu_s": statistics.median(cpu), "sent_bytes": sent,
-      # The step's own host work is its CPU outside the collectives: cpu_s - collectives_cpu_s.
+      "step_s": step_s, "cpu_s": cpu_s, "sent_bytes": sent,
       "collectives_s": collectives_s, "collectives_cpu_s": collectives_cpu_s,
       "measured_bits_per_param": 8 * sent / per_step,
       "predicted_bits_per_param": comm.wire_bits_per_param(found, args.params)
