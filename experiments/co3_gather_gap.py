@@ -3,7 +3,7 @@ variants of the exchange, and what the conversion loses.
 
   python experiments/co3_gather_gap.py --variants bf16,coded,bf16-agreed --seeds 0,1
 
-Every variant is the demo's co3-fp4 (8 simulated devices, adamw, gamma 0.7):
+Every variant is the demo's co3-fp4 (8 simulated devices, adamw, gamma 0.7 or --gammas):
 - bf16: the bf16 gather, each device at its own scales (the reference);
 - coded: the library's coded gather (the exact sums of the levels; the devices' scales agreed,
   `co3_exchange.agree_scales`);
@@ -127,7 +127,7 @@ VARIANTS = {  # name -> (gather, how scales are agreed: None as the library does
 POW2_OCTAVES = 1
 
 
-def run(variant: str, seed: int, steps: int) -> dict:
+def run(variant: str, seed: int, steps: int, gamma: float = 0.7) -> dict:
   from loco_jax.apps import demo
   from loco_jax.transforms.co3 import co3
   gather, agree_rule = VARIANTS[variant]
@@ -135,9 +135,9 @@ def run(variant: str, seed: int, steps: int) -> dict:
   install(recorder, agree_rule)
   config = demo.DemoConfig(steps=steps, seed=seed)
   name = "co3-fp4" if gather == "bf16" else "co3-fp4-coded"
-  result = demo.run_method(name, co3("fp4", gamma=0.7, axis_name=demo.AXIS, gather=gather),
+  result = demo.run_method(name, co3("fp4", gamma=gamma, axis_name=demo.AXIS, gather=gather),
                            config, demo.load_corpus(config))
-  return {"variant": variant, "seed": seed, "steps": steps,
+  return {"variant": variant, "seed": seed, "steps": steps, "gamma": gamma,
           "eval_loss": round(result.eval_loss, 4), "final_loss": round(result.final_loss, 4),
           "wire_bits": result.wire_bits_per_param, "coded_bits": result.co3["coded_bits"],
           "overflow_steps": result.co3["overflow_steps"], **recorder.summary()}
@@ -148,6 +148,7 @@ def main(argv=None) -> None:
   p.add_argument("--variants", default="bf16,coded,bf16-agreed")
   p.add_argument("--seeds", default="0")
   p.add_argument("--steps", type=int, default=300)
+  p.add_argument("--gammas", default="0.7", help="co3's gamma, one run each")
   args = p.parse_args(argv)
   variants = args.variants.split(",")
   unknown = [v for v in variants if v not in VARIANTS]
@@ -160,8 +161,9 @@ def main(argv=None) -> None:
   originals = co3_module.convert, co3_exchange.sums_levels, co3_exchange.agree_scales
   for seed in [int(s) for s in args.seeds.split(",")]:
     for variant in variants:
-      print(json.dumps(run(variant, seed, args.steps)), flush=True)
-      co3_module.convert, co3_exchange.sums_levels, co3_exchange.agree_scales = originals
+      for gamma in [float(g) for g in args.gammas.split(",")]:
+        print(json.dumps(run(variant, seed, args.steps, gamma)), flush=True)
+        co3_module.convert, co3_exchange.sums_levels, co3_exchange.agree_scales = originals
 
 
 if __name__ == "__main__":

@@ -82,7 +82,7 @@ def main(argv=None) -> dict:
   leaf_grads = [jnp.asarray(x) for x in g.reshape(4, -1)]
   settings = co3_exchange.Co3Settings(fp.FP4, 0.7, 100, True, "data",
                                       co3_host.default_capacity_bits(fp.FP4), "bf16",
-                                      "all_to_all", None)
+                                      "all_to_all", None, None)
   layouts = [layout.leaf_layout(x.size, n, None) for x in leaf_grads]
   scales = jnp.full((4,), gennorm.fp4_scale(1.0, 1e-3), jnp.float32)
   record = {"params": size, "devices": n, "repeats": args.repeats, "gather": args.gather}

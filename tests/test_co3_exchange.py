@@ -279,3 +279,25 @@ def test_capacity_and_bits_in_the_compiled_program(per_shard):
   assert sorted(c.op for c in raw) == ["all-gather", "all-to-all"]
   assert comm.wire_bits_per_param(found, N_PARAMS, include_conditional=True) > bits
 
+
+
+def test_slot_capacities_set_the_compiled_slots():
+  n = 4
+  opt = co3("fp4", axis_name="data", gather="coded", capacity_bits=3.0, gather_capacity_bits=4.5)
+  step, state = _step(opt, n)
+  found = [c for c in comm.compiled_collectives(step, _grads(0, n), state) if not c.conditional]
+  row = sum(layout.shard_len(x.size, n) for x in jax.tree.leaves(PARAMS))  # symbols a row
+  a2a, gather = (next(c for c in found if c.op == op) for op in ("all-to-all", "all-gather"))
+  assert a2a.nbytes == n * (coded.slot_bytes(row // 2, 2 * 3.0, CODER) + 4 + 4 * 3)
+  assert gather.nbytes == n * (coded.slot_bytes(row, 4.5, CODER) + 4 + 4 * 2)  # + status
+  out, after = step(_grads(0, n), state)  # the default slots' exact mean, in the smaller slots
+  default_step, default_state = _step(co3("fp4", axis_name="data", gather="coded"), n)
+  for k in PARAMS:
+    np.testing.assert_array_equal(np.asarray(out[k]),
+                                  np.asarray(default_step(_grads(0, n), default_state)[0][k]))
+  assert int(after.overflows) == 0
+  for kwargs in (dict(gather_capacity_bits=4.5), dict(gather="coded", entropy_code=False,
+                                                      gather_capacity_bits=4.5),
+                 dict(gather="coded", gather_capacity_bits=9.0)):
+    with pytest.raises(ValueError, match="gather_capacity_bits"):
+      co3("fp4", axis_name="data", **kwargs)

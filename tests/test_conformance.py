@@ -29,7 +29,8 @@ LOCO_STATIC = ("bits", "error_bits", "reset_interval", "block_size", "axis_name"
 # name -> (factory, keyword arguments, static_args for inject_hyperparams)
 TRANSFORMATIONS = {
     "co3": (loco_jax.co3, dict(gamma=0.7, refit_interval=2),
-            ("fmt", "refit_interval", "entropy_code", "axis_name", "capacity_bits")),
+            ("fmt", "refit_interval", "entropy_code", "axis_name", "capacity_bits",
+             "gather_capacity_bits")),
     "loco": (loco_jax.loco, dict(beta=0.8), LOCO_STATIC),
     "loco-fixed": (loco_jax.loco, dict(scale=64.0, error_scale=256.0, beta=0.5),
                    LOCO_STATIC[:-2]),

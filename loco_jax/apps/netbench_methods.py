@@ -101,10 +101,18 @@ def _loco(**kwargs):
 ENTROPY_SLOT_BITS = 2.75
 
 
-def _co3(help_text: str, fmt: str, gather: str = "bf16") -> Method:
+# Slots fitted to netbench's gradients, as ENTROPY_SLOT_BITS for LoCo's codes: their fp4
+# symbols code to 2.80-2.84 bits a symbol (4 hosts, all-to-all streams) and the sums of 4
+# hosts' levels to 3.88-3.91 bits an element, against co3's defaults of 3.76 and 5.52 (the
+# fitted model's worst case over beta in [0.2, 3]). A stream that does not fit sends the step
+# raw (counted: `overflows`).
+CO3_FITTED_SLOT_BITS = {"capacity_bits": 3.0, "gather_capacity_bits": 4.1}
+
+
+def _co3(help_text: str, fmt: str, gather: str = "bf16", **slots) -> Method:
   """CO3 at gamma 0.7 with `exchange="auto"`: the record's `exchange` says which one ran."""
   return Method(help_text, lambda: _lib("transforms.co3").co3(fmt, gamma=0.7, axis_name="data",
-                                                               gather=gather),
+                                                               gather=gather, **slots),
                 counts=("overflows", "rejected"), gauges=("coded_bits",),
                 conditional_count="overflows")
 
@@ -136,6 +144,10 @@ METHODS: dict[str, Method] = {
     "co3-fp8": _co3("CO3 fp8, its exchange chosen as co3-fp4's", "fp8"),
     "co3-fp4-coded": _co3("CO3 fp4, per-shard coded all-to-all + coded gather of the averaged "
                           "shards (2 devices: the all-gather)", "fp4", gather="coded"),
+    "co3-fp4-coded-fitted": _co3(
+        "co3-fp4-coded in slots fitted to netbench's gradients (3.0 bits a symbol, 4.1 an "
+        "element of the gather; the defaults: 3.76, 5.52 at 4 hosts)",
+        "fp4", gather="coded", **CO3_FITTED_SLOT_BITS),
     "fp32-hier": Method("float32: reduce-scatter in the node, all-reduce across nodes, "
                         "all-gather in the node", hierarchical, "nodes"),
     "two-hop": Method("two_hop: float32 reduce-scatter in the node, LoCo across nodes",

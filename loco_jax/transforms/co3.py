@@ -56,7 +56,7 @@ class Converted(NamedTuple):
 def co3(fmt: str = "fp4", gamma: float = 0.7, refit_interval: int = 100,
         entropy_code: bool = True, axis_name: layout.AxisName | None = None,
         capacity_bits: float | None = None, gather: str = "bf16", exchange: str = "auto",
-        specs: Any = None) -> optax.GradientTransformationExtraArgs:
+        specs: Any = None, gather_capacity_bits: float | None = None) -> optax.GradientTransformationExtraArgs:
   """CO3's Convert, Compress, Correct as an optax transformation; averages over `axis_name`.
 
   With `axis_name` (inside `jax.shard_map`) every device serves 1/n of every leaf: it codes each
@@ -76,13 +76,16 @@ def co3(fmt: str = "fp4", gamma: float = 0.7, refit_interval: int = 100,
     axis_name: the mesh axis to average over, or None (local, no communication).
     capacity_bits: bits a symbol of the all-to-all's (or the whole gradients' all-gather's)
       coded slots (default `default_capacity_bits(fmt)`); a stream that does not fit sends
-      that step's exchange raw (lossless, `state.overflows`). The coded gather's slots hold
-      `co3_host.default_sum_capacity_bits(n)` an element.
+      that step's exchange raw (lossless, `state.overflows`). The defaults are the fitted
+      model's worst case over beta in [0.2, 3]: a model whose rate you know sends less with
+      a slot fitted to it (`state.coded_bits` says what the streams take).
     gather: "bf16" or "coded" (fp4 on at most 21 devices: the exact sums of the devices' fp4
       levels, one byte an element, coded): how the per-shard exchange returns the averaged
       shards.
     exchange: "auto", "all_to_all" (per shard) or "all_gather" (whole gradients).
     specs: PartitionSpecs of leaves sharded over other mesh axes (as in `loco`).
+    gather_capacity_bits: bits an element of the coded gather's slots (gather="coded" only;
+      default `co3_host.default_sum_capacity_bits(n)`); overflow as for `capacity_bits`.
 
   Returns:
     An optax.GradientTransformationExtraArgs whose state is a `Co3State`.
@@ -92,7 +95,7 @@ def co3(fmt: str = "fp4", gamma: float = 0.7, refit_interval: int = 100,
     >>> updates, state = opt.update(grads, opt.init(params))
   """
   settings = _settings(fmt, gamma, refit_interval, entropy_code, axis_name, capacity_bits,
-                       gather, exchange, specs)
+                       gather, exchange, specs, gather_capacity_bits)
   return optax.GradientTransformationExtraArgs(
       local_blocks.local_init(lambda params: init(settings, params), axis_name, specs, "co3"),
       local_blocks.local_update(lambda updates, state: update(settings, updates, state),
@@ -100,7 +103,7 @@ def co3(fmt: str = "fp4", gamma: float = 0.7, refit_interval: int = 100,
 
 
 def _settings(fmt, gamma, refit_interval, entropy_code, axis_name, capacity_bits, gather,
-              exchange, specs) -> Co3Settings:
+              exchange, specs, gather_capacity_bits) -> Co3Settings:
   """The checked settings; ValueError naming the argument otherwise."""
   if fmt not in FORMATS:
     raise ValueError(f"fmt must be one of {tuple(FORMATS)}, got {fmt!r}")
@@ -109,9 +112,14 @@ def _settings(fmt, gamma, refit_interval, entropy_code, axis_name, capacity_bits
                      f"got {gamma}")
   if isinstance(refit_interval, bool) or not isinstance(refit_interval, int) or refit_interval < 1:
     raise ValueError(f"refit_interval must be an int >= 1, got {refit_interval!r}")
-  if capacity_bits is not None and not 0 < capacity_bits <= 8:
-    raise ValueError(f"capacity_bits must be in (0, 8] bits per symbol or None, got "
-                     f"{capacity_bits}")
+  for name, bits in (("capacity_bits", capacity_bits),
+                     ("gather_capacity_bits", gather_capacity_bits)):
+    if bits is not None and not 0 < bits <= 8:
+      raise ValueError(f"{name} must be in (0, 8] bits per symbol or None, got {bits}")
+  if gather_capacity_bits is not None and (gather != "coded" or not entropy_code):
+    raise ValueError(f"gather_capacity_bits sizes the coded gather's slots: it needs "
+                     f"gather='coded' and entropy_code=True, got gather={gather!r}, "
+                     f"entropy_code={entropy_code}")
   if gather not in GATHERS or exchange not in EXCHANGES:
     raise ValueError(f"gather must be one of {GATHERS} and exchange one of {EXCHANGES}, got "
                      f"gather={gather!r}, exchange={exchange!r}")
@@ -127,7 +135,8 @@ def _settings(fmt, gamma, refit_interval, entropy_code, axis_name, capacity_bits
   small_float = FORMATS[fmt]
   capacity = default_capacity_bits(small_float) if capacity_bits is None else capacity_bits
   return Co3Settings(small_float, gamma, refit_interval, entropy_code, axis_name,
-                     float(capacity), gather, exchange, specs)
+                     float(capacity), gather, exchange, specs,
+                     None if gather_capacity_bits is None else float(gather_capacity_bits))
 
 
 def _axis_size(settings: Co3Settings) -> int:

@@ -53,6 +53,7 @@ class Co3Settings(NamedTuple):
   gather: str
   exchange: str
   specs: Any
+  gather_capacity_bits: float | None  # per element, of the coded gather's slots (None: default)
 
 
 class Exchanged(NamedTuple):
@@ -81,7 +82,11 @@ def gather_bits(settings: Co3Settings, n: int) -> float:
   """Bits an element of the averaged shards' gather: 16 (bf16), or a sum slot's capacity."""
   if settings.gather == "bf16":
     return 16.0
-  return co3_host.default_sum_capacity_bits(n) if settings.entropy_code else 8.0
+  if not settings.entropy_code:
+    return 8.0
+  if settings.gather_capacity_bits is not None:
+    return settings.gather_capacity_bits
+  return co3_host.default_sum_capacity_bits(n)
 
 
 def is_per_shard(settings: Co3Settings, n: int) -> bool:
@@ -223,8 +228,7 @@ def _sum_gather(settings: Co3Settings, got: coded.Received, layouts: list, scale
   valid = jnp.all(jnp.isfinite(sum_R))
   status = status + jnp.stack([jnp.where(valid, 0.0, jnp.inf), 0.0]).astype(jnp.float32)
   sums_B = jnp.where(jnp.isfinite(sum_R), sum_R + offset, 0).astype(jnp.uint8)
-  gathered = _gather(settings, sums_B, status, coded_path,
-                     co3_host.default_sum_capacity_bits(n))
+  gathered = _gather(settings, sums_B, status, coded_path, gather_bits(settings, n))
   # A byte above 2 * offset is no sum of n levels: a peer's forgery, counted as a stream that
   # does not decode (`_corrupt`).
   forged = jnp.any(gathered.rows > 2 * offset).astype(jnp.int32)
