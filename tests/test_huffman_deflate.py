@@ -44,6 +44,17 @@ def test_the_payload_is_huffman_only_deflate():
   assert zlib.decompress(stream[header:], -15) == run.tobytes()
 
 
+def test_streams_of_pythons_own_zlib_decode():
+  """The coder is zlib-ng; a peer whose stream came from Python's zlib (the same deflate
+  format, another encoder) is read alike, and its zlib reads ours (the test above)."""
+  data = _pairs(70_000, seed=3)
+  packer = zlib.compressobj(1, zlib.DEFLATED, -15, 9, zlib.Z_HUFFMAN_ONLY)
+  ours = huffman_deflate.encode(data)
+  header = 3 + len(huffman_deflate._varint(data.size)) + 4
+  theirs = ours[:header] + packer.compress(data.tobytes()) + packer.flush()
+  np.testing.assert_array_equal(huffman_deflate.decode(theirs, data.size), data)
+
+
 def test_wrong_dtype_and_non_bytes_are_refused():
   with pytest.raises(ValueError, match="uint8"):
     huffman_deflate.encode(np.zeros(4, np.int32))

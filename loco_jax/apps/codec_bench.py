@@ -8,8 +8,10 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import scipy.special
 
+from zlib_ng import zlib_ng
+
 from loco_jax.codecs import fp
-from loco_jax.codecs import huffman
+from loco_jax.codecs import huffman, huffman_deflate
 
 Codec = tuple[Callable[[np.ndarray], bytes], Callable[[bytes], np.ndarray]]
 
@@ -75,6 +77,13 @@ def _codecs(beta: float) -> dict[str, tuple[Codec, bool]]:
                                lambda d: huffman.decode(d, probabilities=model)), False),
       "zlib_6": ((lambda s: zlib.compress(s, 6), _zlib_decode), False),
       "zlib_huffman_only": ((_zlib_huffman_only, _zlib_decode), False),
+      # co3's coder (zlib-ng, with its header and CRC32), and its raw deflate beside Python's
+      # zlib doing the same: what choosing zlib-ng bought.
+      "huffman_deflate": ((huffman_deflate.encode, _huffman_deflate_decode), False),
+      "raw_huffman_only_zlib": ((lambda s: _raw_huffman_only(zlib, s),
+                                 lambda d: _raw_inflate(zlib, d)), False),
+      "raw_huffman_only_zlib_ng": ((lambda s: _raw_huffman_only(zlib_ng, s),
+                                    lambda d: _raw_inflate(zlib_ng, d)), False),
   }
   try:
     import zstandard
@@ -89,6 +98,22 @@ def _codecs(beta: float) -> dict[str, tuple[Codec, bool]]:
 def _zlib_huffman_only(symbols: np.ndarray) -> bytes:
   compressor = zlib.compressobj(6, zlib.DEFLATED, 15, 9, zlib.Z_HUFFMAN_ONLY)
   return compressor.compress(symbols) + compressor.flush()
+
+
+def _huffman_deflate_decode(data: bytes) -> np.ndarray:
+  """The stream's own count as the expected one: a bench of our own streams, not a peer's."""
+  return huffman_deflate.decode(data, huffman_deflate._read_varint(memoryview(data), 3)[0])
+
+
+def _raw_huffman_only(module, symbols: np.ndarray) -> bytes:
+  """huffman_deflate's settings (level 1, raw deflate, memLevel 9) with `module`'s deflate."""
+  compressor = module.compressobj(1, module.DEFLATED, -15, huffman_deflate.MEM_LEVEL,
+                                  module.Z_HUFFMAN_ONLY)
+  return compressor.compress(symbols) + compressor.flush()
+
+
+def _raw_inflate(module, data: bytes) -> np.ndarray:
+  return np.frombuffer(module.decompress(data, -15), np.uint8)
 
 
 def _zlib_decode(data: bytes) -> np.ndarray:

@@ -101,11 +101,11 @@ def _loco(**kwargs):
 ENTROPY_SLOT_BITS = 2.75
 
 
-# Slots fitted to netbench's gradients, as ENTROPY_SLOT_BITS for LoCo's codes: their fp4
-# symbols code to 2.80-2.84 bits a symbol (4 hosts, all-to-all streams) and the sums of 4
-# hosts' levels to 3.88-3.91 bits an element, against co3's defaults of 3.76 and 5.52 (the
-# fitted model's worst case over beta in [0.2, 3]). A stream that does not fit sends the step
-# raw (counted: `overflows`).
+# Slots fitted to netbench's gradients, as ENTROPY_SLOT_BITS for LoCo's codes
+# (experiments/co3_slot_needs.py, 12 steps): a step's largest stream needs 2.79-2.84 bits a fp4
+# symbol (the all-to-all at 4 hosts, the all-gather at 2) and the sums of 4 hosts' levels
+# 3.85-3.88 bits an element, against co3's defaults of 3.76 and 5.52 (the fitted model's worst
+# case over beta in [0.2, 3]). A stream that does not fit sends the step raw (`overflows`).
 CO3_FITTED_SLOT_BITS = {"capacity_bits": 3.0, "gather_capacity_bits": 4.1}
 
 

@@ -77,8 +77,8 @@ def co3(fmt: str = "fp4", gamma: float = 0.7, refit_interval: int = 100,
     capacity_bits: bits a symbol of the all-to-all's (or the whole gradients' all-gather's)
       coded slots (default `default_capacity_bits(fmt)`); a stream that does not fit sends
       that step's exchange raw (lossless, `state.overflows`). The defaults are the fitted
-      model's worst case over beta in [0.2, 3]: a model whose rate you know sends less with
-      a slot fitted to it (`state.coded_bits` says what the streams take).
+      model's worst case over beta in [0.2, 3]; a model whose streams you have measured
+      sends less in slots fitted to them (docs/EXPERIMENTS_CO3.md, "Fitted slots").
     gather: "bf16" or "coded" (fp4 on at most 21 devices: the exact sums of the devices' fp4
       levels, one byte an element, coded): how the per-shard exchange returns the averaged
       shards.
