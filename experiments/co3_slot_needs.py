@@ -28,8 +28,11 @@ def main(argv=None) -> None:
   p.add_argument("--params", type=int, default=4 * 1024 * 1024)
   p.add_argument("--steps", type=int, default=12)
   args = p.parse_args(argv)
-  os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
+  if "jax" not in sys.modules:  # a fresh process: make the devices (a test brings its own)
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
   import jax
+  if jax.device_count() < args.devices:
+    p.error(f"--devices {args.devices}: this process has {jax.device_count()} devices")
   import numpy as np
   from jax.sharding import NamedSharding, PartitionSpec
   from loco_jax.apps import netbench_methods, netbench_worker

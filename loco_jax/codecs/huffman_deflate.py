@@ -4,9 +4,10 @@ The wire format of CO3's coded exchange. zlib's `Z_HUFFMAN_ONLY` strategy writes
 blocks of dynamic Huffman codes for the bytes and never an LZ77 match: pure Huffman coding,
 one code table per block of about 32K bytes (carried in the block's header). The library is
 zlib-ng (the `zlib-ng` package's bindings): the same deflate format as Python's zlib, which
-decodes its streams, at half the encoding time, 0.75 of the decoding time and a CRC32 that
-costs next to nothing (docs/EXPERIMENTS_CO3.md). For fp4 a byte is a pair of symbols (`first << 4 | second`), which closes
-most of Huffman's gap to the entropy, as `huffman.encode_pairs` does.
+decodes its streams, in about half the encoding time and 0.8 of the decoding time, with a
+CRC32 that costs next to nothing (docs/EXPERIMENTS_CO3.md). For fp4 a byte is a pair of
+symbols (`first << 4 | second`), which closes most of Huffman's gap to the entropy, as
+`huffman.encode_pairs` does.
 
 Stream: "LD", version 1, the byte count (LEB128 varint), the CRC32 of the bytes (4 bytes,
 little-endian), then raw deflate (no zlib header). `decode` treats the stream as untrusted:

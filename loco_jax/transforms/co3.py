@@ -56,7 +56,8 @@ class Converted(NamedTuple):
 def co3(fmt: str = "fp4", gamma: float = 0.7, refit_interval: int = 100,
         entropy_code: bool = True, axis_name: layout.AxisName | None = None,
         capacity_bits: float | None = None, gather: str = "bf16", exchange: str = "auto",
-        specs: Any = None, gather_capacity_bits: float | None = None) -> optax.GradientTransformationExtraArgs:
+        specs: Any = None, gather_capacity_bits: float | None = None
+        ) -> optax.GradientTransformationExtraArgs:
   """CO3's Convert, Compress, Correct as an optax transformation; averages over `axis_name`.
 
   With `axis_name` (inside `jax.shard_map`) every device serves 1/n of every leaf: it codes each
