@@ -86,7 +86,9 @@ def co3(fmt: str = "fp4", gamma: float = 0.7, refit_interval: int = 100,
     exchange: "auto", "all_to_all" (per shard) or "all_gather" (whole gradients).
     specs: PartitionSpecs of leaves sharded over other mesh axes (as in `loco`).
     gather_capacity_bits: bits an element of the coded gather's slots (gather="coded" only;
-      default `co3_host.default_sum_capacity_bits(n)`); overflow as for `capacity_bits`.
+      default `co3_host.default_sum_capacity_bits(n)`); overflow as for `capacity_bits`. An
+      axis that `exchange="auto"` gives the all-gather of whole gradients (2 devices) has no
+      such gather: `co3_exchange.is_per_shard` says which.
 
   Returns:
     An optax.GradientTransformationExtraArgs whose state is a `Co3State`.
