@@ -145,8 +145,9 @@ METHODS: dict[str, Method] = {
     "co3-fp4-coded": _co3("CO3 fp4, per-shard coded all-to-all + coded gather of the averaged "
                           "shards (2 devices: the all-gather)", "fp4", gather="coded"),
     "co3-fp4-coded-fitted": _co3(
-        "co3-fp4-coded in slots fitted to netbench's gradients (3.0 bits a symbol, 4.1 an "
-        "element of the gather; the defaults: 3.76, 5.52 at 4 hosts)",
+        f"co3-fp4-coded in slots fitted to netbench's gradients "
+        f"({CO3_FITTED_SLOT_BITS['capacity_bits']} bits a symbol, "
+        f"{CO3_FITTED_SLOT_BITS['gather_capacity_bits']} an element of the gather)",
         "fp4", gather="coded", **CO3_FITTED_SLOT_BITS),
     "fp32-hier": Method("float32: reduce-scatter in the node, all-reduce across nodes, "
                         "all-gather in the node", hierarchical, "nodes"),
