@@ -73,6 +73,7 @@ def test_two_hosts_on_a_slow_link_send_what_the_compiled_program_says(tmp_path):
   for r in records.values():
     assert (r["hosts"], r["rate"], r["n_params"]) == (2, "20mbit", 2**18)
     assert r["step_s"] > 0 and r["host_malloc"] == netbench.HOST_MALLOC
+    assert r["host_cpus"] == [sorted(os.sched_getaffinity(0))] * 2  # unpinned: every core
     for bits in r["measured_bits_per_host"]:
       assert abs(bits / r["predicted_bits_per_param"] - 1) <= 0.03, (r["method"], bits, r)
   fp32 = records["fp32"]["measured_bits_per_param"]
@@ -328,7 +329,7 @@ def test_co3_on_three_hosts_sends_its_slots_and_records_its_exchange_and_counts(
   log = _netbench_on_the_wire(
       ["--hosts", "3", "--rate", "100mbit", "--params", str(2**19), "--methods",
        "co3-fp4,co3-fp4-coded", "--steps", "3", "--warmup", "1", "--exchange-only",
-       "--timeout", "120", "--json", str(out)])
+       "--timeout", "120", "--pin-cores", "--json", str(out)])
   assert "overflows (steps)" in log   # the table of what ran and the state's counts
   records = {r["method"]: r for r in json.loads(out.read_text())}
   for method, r in records.items():
@@ -339,6 +340,8 @@ def test_co3_on_three_hosts_sends_its_slots_and_records_its_exchange_and_counts(
       assert abs(bits / r["predicted_bits_per_param"] - 1) <= 0.03, (method, bits, r)
     coded = r["gauges_per_device"]["coded_bits"]
     assert len(coded) == 3 and all(1.0 < b < 4.0 for b in coded), coded
+    cores = sorted(os.sched_getaffinity(0))  # --pin-cores: host i on core i % cores
+    assert r["host_cpus"] == [[cores[i % len(cores)]] for i in range(3)], r["host_cpus"]
 
 
 def _measure_in_process(method: str, n: int, n_params: int = 4096, steps: int = 2,

@@ -103,6 +103,10 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--param-gather", default="float32",
                  help=f"zero2 and fsdp's parameter gathers, one of {','.join(PARAM_GATHERS)}: "
                       "the compute dtype, or int8 with block scales")
+  p.add_argument("--pin-cores", action="store_true",
+                 help="run host i on core i %% (this process's cores) only: each host's XLA:CPU "
+                      "then runs one thread, as a host that has its cores to itself does "
+                      "(unpinned, hosts sharing the cores preempt each other's threads)")
   p.add_argument("--default-malloc", dest="host_malloc", action="store_false",
                  help=f"run the hosts with glibc's default malloc settings instead of "
                       f"GLIBC_TUNABLES={HOST_MALLOC} (a GLIBC_TUNABLES already set is kept)")
@@ -233,7 +237,7 @@ def run_hosts(net: netns.Network, args, workdir: str) -> list[dict]:
   """
   env = host_env(args.host_malloc)
   coordinator = f"{net.hosts[0].address}:{COORDINATOR_PORT}"
-  procs, logs = [], []
+  procs, logs, cores = [], [], sorted(os.sched_getaffinity(0))
   try:
     for i, host in enumerate(net.hosts):
       log = open(os.path.join(workdir, f"host{i}.log"), "w+")
@@ -246,6 +250,8 @@ def run_hosts(net: netns.Network, args, workdir: str) -> list[dict]:
              "--devices-per-host", str(args.devices_per_host), "--timeout", str(args.timeout),
              "--namespace", host.namespace, "--nodes", str(args.nodes),
              "--profile", str(args.profile)]
+      if args.pin_cores:
+        cmd += ["--cpu", str(cores[i % len(cores)])]
       if i == 0 and net.uplinks:   # host 0 reads every node's inter-node counter
         cmd += ["--uplinks", ",".join(f"{u.namespace}:{u.interface}" for u in net.uplinks)]
       if not args.exchange_only:

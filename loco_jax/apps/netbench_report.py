@@ -33,6 +33,7 @@ def summarize(results: list[dict], hosts: int, rate: str, n_params: int, nodes: 
         "predicted_wire_s": predicted * n_params / netns.rate_bits(rate),
         "finite": all(r["finite"] for r in rows),
         "host_malloc": rows[0]["malloc"],
+        "host_cpus": [r["cpus"] for r in rows],
         "exchange": rows[0]["exchange"],
         # The state's step counts (the same on every host where they are replicated), and
         # its gauges: every device's value after the last timed step, and their mean.

@@ -48,6 +48,8 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--nodes", type=int, default=1, help="nodes of --hosts / --nodes hosts each")
   p.add_argument("--profile", type=int, default=0,
                  help="steps traced after the timed ones, their thunks summed by kind (0: none)")
+  p.add_argument("--cpu", type=int, default=None,
+                 help="the one CPU core this host runs on, set before jax starts (default: all)")
   p.add_argument("--uplinks", default="",
                  help="NAMESPACE:INTERFACE of each node's inter-node link, whose tx_bytes this "
                       "host reads around the timed steps ('': none)")
@@ -318,6 +320,7 @@ def _measure(method: str, args, mesh, barrier, ones, uplinks: list[tuple[str, st
                                                                    for b in inter],
       "finite": bool(np.isfinite(np.asarray(out["w"].addressable_data(0))).all()),
       "malloc": os.environ.get("GLIBC_TUNABLES", ""),
+      "cpus": sorted(os.sched_getaffinity(0)),
       "collectives": [_describe(c, mesh, node_of if args.nodes > 1 else None) for c in found]}
 
 
@@ -336,6 +339,8 @@ def main(argv=None) -> int:
   # A hung peer must fail this host, not hang it: the whole run is bounded (default: exit).
   signal.alarm(args.timeout)
   print(f"netbench host {args.process_id} in {args.namespace} at {args.address}", file=sys.stderr)
+  if args.cpu is not None:  # before XLA:CPU sizes its thread pool by the cores it may use
+    os.sched_setaffinity(0, {args.cpu})
   import jax
   jax.config.update("jax_num_cpu_devices", args.devices_per_host)
   from loco_jax.train import parallel
