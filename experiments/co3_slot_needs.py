@@ -72,5 +72,6 @@ def main(argv=None) -> None:
                     **{f"{kind}_worst_need": [round(min(v), 4), round(max(v), 4)]
                        for kind, v in worst.items()}}))
 
+
 if __name__ == "__main__":
   main()
