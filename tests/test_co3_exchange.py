@@ -280,7 +280,6 @@ def test_capacity_and_bits_in_the_compiled_program(per_shard):
   assert comm.wire_bits_per_param(found, N_PARAMS, include_conditional=True) > bits
 
 
-
 def test_slot_capacities_set_the_compiled_slots():
   n = 4
   opt = co3("fp4", axis_name="data", gather="coded", capacity_bits=3.0, gather_capacity_bits=4.5)
