@@ -31,9 +31,10 @@ CANDIDATES = (6.86, 7.0, 7.1, 7.2, 7.25, 7.3, 7.4, 7.5)
 
 
 def needed_bits(lengths: np.ndarray, row_bytes: int) -> np.ndarray:
-  """Bits a symbol a slot must reserve (beyond the coder's overhead) for streams of `lengths`."""
-  from loco_jax.codecs import huffman_deflate
-  return (lengths - huffman_deflate.overhead(row_bytes)) * 8.0 / row_bytes
+  """Bits a symbol (fp8: one a byte) a slot must reserve for streams of `lengths`."""
+  from loco_jax.comm import coded
+  from loco_jax.transforms import coders
+  return coded.needed_bits_per_byte(lengths, row_bytes, coders.HUFFMAN_DEFLATE)
 
 
 def summary(need_SxK: np.ndarray, coded_bits: float) -> dict:

@@ -6,7 +6,7 @@ Runs netbench's co3-fp4-coded step (`netbench_methods.exchange_step`) on n simul
 one process, each device with the gradient its netbench host has (`netbench_worker._gradient`),
 and reads every stream's length through `comm.coded.tampering` (a hook that changes nothing).
 For each stream: the bits a symbol (an element, for the gather's sums) that its slot must
-reserve beyond the coder's overhead, as `co3_fp8_capacity.needed_bits` computes them. Per step
+reserve beyond the coder's overhead (`comm.coded.needed_bits_per_byte`). Per step
 the largest over the all-to-all's streams and over the gather's (at 2 devices: the all-gather
 of whole gradients), since one stream that does not fit sends the step raw. Prints one JSON
 record: the range over the steps of that largest need.
@@ -36,9 +36,9 @@ def main(argv=None) -> None:
   import numpy as np
   from jax.sharding import NamedSharding, PartitionSpec
   from loco_jax.apps import netbench_methods, netbench_worker
-  from loco_jax.codecs import huffman_deflate
   from loco_jax.comm import coded
   from loco_jax.train import parallel
+  from loco_jax.transforms import coders
   n, size = args.devices, args.params
   mesh = parallel.data_mesh(n)
   step, state = netbench_methods.exchange_step("co3-fp4-coded", size, mesh)
@@ -54,8 +54,9 @@ def main(argv=None) -> None:
     return stream
 
   def need(length: int, symbols: int, per_byte: int) -> float:
-    row_bytes = symbols // per_byte
-    return (length - huffman_deflate.overhead(row_bytes)) * 8.0 / symbols
+    """Bits a symbol, for streams of `symbols` symbols, `per_byte` of them a byte."""
+    bits = coded.needed_bits_per_byte(length, symbols // per_byte, coders.HUFFMAN_DEFLATE)
+    return bits / per_byte
 
   kinds = ({"all_to_all": (True, size // n, 2), "gather": (False, size // n, 1)} if per_shard
            else {"all_gather": (False, size, 2)})

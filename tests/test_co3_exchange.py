@@ -280,6 +280,16 @@ def test_capacity_and_bits_in_the_compiled_program(per_shard):
   assert comm.wire_bits_per_param(found, N_PARAMS, include_conditional=True) > bits
 
 
+def test_needed_bits_invert_the_slot_size():
+  size = 10_000
+  for bits in (1.0, 2.75, 6.0):
+    slot = coded.slot_bytes(size, bits, CODER)
+    assert bits <= coded.needed_bits_per_byte(slot, size, CODER) < bits + 8 / size
+    assert coded.needed_bits_per_byte(slot + 1, size, CODER) > bits  # one byte more: too long
+  np.testing.assert_allclose(coded.needed_bits_per_byte(np.array([slot, slot]), size, CODER),
+                             coded.needed_bits_per_byte(slot, size, CODER))
+
+
 def test_slot_capacities_set_the_compiled_slots():
   n = 4
   opt = co3("fp4", axis_name="data", gather="coded", capacity_bits=3.0, gather_capacity_bits=4.5)

@@ -19,6 +19,11 @@ def _pairs(n: int, beta: float = 1.0, seed: int = 0) -> np.ndarray:
   return (symbols[0::2] << 4 | symbols[1::2]).astype(np.uint8)
 
 
+def _header_bytes(size: int) -> int:
+  """Magic and version, the byte count's varint, the CRC32: what precedes the deflate."""
+  return 3 + len(huffman_deflate._varint(size)) + 4
+
+
 @pytest.mark.parametrize("n", [0, 1, 2, 1000, 32_767, 100_001])
 def test_round_trip_is_exact(n):
   data = _pairs(n, seed=n)
@@ -40,18 +45,16 @@ def test_the_payload_is_huffman_only_deflate():
   run = np.zeros(100_000, np.uint8)
   stream = huffman_deflate.encode(run)
   assert len(stream) > 100_000 / 8
-  header = 3 + len(huffman_deflate._varint(run.size)) + 4
-  assert zlib.decompress(stream[header:], -15) == run.tobytes()
+  assert zlib.decompress(stream[_header_bytes(run.size):], -15) == run.tobytes()
 
 
 def test_streams_of_pythons_own_zlib_decode():
   """The coder is zlib-ng; a peer whose stream came from Python's zlib (the same deflate
   format, another encoder) is read alike, and its zlib reads ours (the test above)."""
   data = _pairs(70_000, seed=3)
-  packer = zlib.compressobj(1, zlib.DEFLATED, -15, 9, zlib.Z_HUFFMAN_ONLY)
+  packer = zlib.compressobj(1, zlib.DEFLATED, -15, huffman_deflate.MEM_LEVEL, zlib.Z_HUFFMAN_ONLY)
   ours = huffman_deflate.encode(data)
-  header = 3 + len(huffman_deflate._varint(data.size)) + 4
-  theirs = ours[:header] + packer.compress(data.tobytes()) + packer.flush()
+  theirs = ours[:_header_bytes(data.size)] + packer.compress(data.tobytes()) + packer.flush()
   np.testing.assert_array_equal(huffman_deflate.decode(theirs, data.size), data)
 
 

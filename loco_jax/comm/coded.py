@@ -26,8 +26,8 @@ import jax
 import jax.numpy as jnp
 
 from loco_jax.comm import wire
-from loco_jax.comm.coded_host import (ByteCoder, fill_slots, host_call, read_slots,  # noqa: F401
-                                      slot_bytes, tampering)
+from loco_jax.comm.coded_host import (ByteCoder, fill_slots, host_call,  # noqa: F401
+                                      needed_bits_per_byte, read_slots, slot_bytes, tampering)
 from loco_jax.core import leaves
 from loco_jax.core.layout import AxisName
 

@@ -30,6 +30,12 @@ def slot_bytes(size: int, bits_per_byte: float, coder: ByteCoder) -> int:
   return math.ceil(bits_per_byte * size / 8) + coder.overhead(size)
 
 
+def needed_bits_per_byte(lengths, size: int, coder: ByteCoder):
+  """The inverse of `slot_bytes`: the bits a byte a slot must reserve to hold streams of
+  `lengths` (an int or a numpy array) coding `size` bytes each."""
+  return (lengths - coder.overhead(size)) * 8.0 / size
+
+
 def host_call(fn: Callable, result, *args):
   """`fn(*numpy arrays)` on the host, once per device under shard_map; `result`: its shapes.
 

@@ -119,13 +119,13 @@ def _settings(fmt, gamma, refit_interval, entropy_code, axis_name, capacity_bits
                      ("gather_capacity_bits", gather_capacity_bits)):
     if bits is not None and not 0 < bits <= 8:
       raise ValueError(f"{name} must be in (0, 8] bits per symbol or None, got {bits}")
+  if gather not in GATHERS or exchange not in EXCHANGES:
+    raise ValueError(f"gather must be one of {GATHERS} and exchange one of {EXCHANGES}, got "
+                     f"gather={gather!r}, exchange={exchange!r}")
   if gather_capacity_bits is not None and (gather != "coded" or not entropy_code):
     raise ValueError(f"gather_capacity_bits sizes the coded gather's slots: it needs "
                      f"gather='coded' and entropy_code=True, got gather={gather!r}, "
                      f"entropy_code={entropy_code}")
-  if gather not in GATHERS or exchange not in EXCHANGES:
-    raise ValueError(f"gather must be one of {GATHERS} and exchange one of {EXCHANGES}, got "
-                     f"gather={gather!r}, exchange={exchange!r}")
   if axis_name is None and (gather != "bf16" or exchange != "auto"):
     raise ValueError("gather= and exchange= choose how devices exchange: they need an "
                      "axis_name")
