@@ -6,10 +6,10 @@ variants of the exchange, and what the conversion loses.
 Every variant is the demo's co3-fp4 (8 simulated devices, adamw, gamma 0.7 or --gammas):
 - bf16: the bf16 gather, each device at its own scales (the reference);
 - coded: the library's coded gather (the exact sums of the levels; the devices' scales agreed,
-  `co3_exchange.agree_scales`);
+  `co3_exchange.agree_scales`: the largest, at most 4x the smallest);
 - bf16-agreed: the bf16 gather with the scales agreed as the coded gather agrees them;
-- coded-<rule>: the coded gather with the scales agreed otherwise (geomean: the geometric mean
-  of the devices' scales, max: the largest);
+- coded-<rule>: the coded gather with the scales agreed otherwise (min: the smallest, the
+  library's rule before 2026-12-05; geomean: the geometric mean; max: the largest, unbounded);
 - bf16-pow2: the bf16 gather at scales a finer exact sum could use (`POW2_OCTAVES` below).
 The script wraps co3's functions for the run (a hook of this experiment, not an option of the
 library). The variants of the gather that converted the averaged shard to fp4 again (the
@@ -110,6 +110,9 @@ def install(recorder, agree_rule):
   elif agree_rule == "max":
     co3_exchange.agree_scales = lambda settings, scales: jax.lax.pmax(scales,
                                                                       settings.axis_name)
+  elif agree_rule == "min":  # the library's rule until 2026-12-05
+    co3_exchange.agree_scales = lambda settings, scales: jax.lax.pmin(scales,
+                                                                      settings.axis_name)
 
 
 VARIANTS = {  # name -> (gather, how scales are agreed: None as the library does)
@@ -118,6 +121,7 @@ VARIANTS = {  # name -> (gather, how scales are agreed: None as the library does
     "bf16-agreed": ("bf16", "always"),
     "coded-geomean": ("coded", "geomean"),
     "coded-max": ("coded", "max"),
+    "coded-min": ("coded", "min"),
     "bf16-pow2": ("bf16", "pow2"),
 }
 # bf16-pow2: each device at the smallest scale times 2**k, k = floor(log2(own / smallest)) in

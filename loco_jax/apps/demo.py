@@ -42,7 +42,7 @@ DESCRIPTIONS = {
     "co3-fp4": "CO3: fp4 with a GenNorm-fitted scale, Huffman, error decay gamma=0.7; each "
                "device's shard Huffman-coded through one all-to-all, bf16 all-gather",
     "co3-fp8": "CO3 as co3-fp4, in fp8 [1,5,2]",
-    "co3-fp4-coded": "CO3 as co3-fp4, every device at the smallest of the devices' scales; the "
+    "co3-fp4-coded": "CO3 as co3-fp4, every device at the finest of the devices' scales; the "
                      "exact sums of the fp4 levels Huffman-coded in the all-gather",
     "ef2": "2-bit absmax blocks, classic error feedback (beta=0, float32 error)",
     "ef3": "3-bit absmax blocks, classic error feedback (beta=0, float32 error)",

@@ -66,8 +66,9 @@ def co3(fmt: str = "fp4", gamma: float = 0.7, refit_interval: int = 100,
   (`co3_exchange`). On few devices the all-gather of whole coded gradients sends less (at 2
   devices always; with the bf16 gather while n < 1 + 16 / capacity_bits): `exchange="auto"`
   takes it there, and `co3_exchange.predicted_bits` says what each sends. With
-  gather="coded" every device converts a leaf at the smallest of the devices' scales, so that
-  the averaged shard crosses exactly, as the sum of the devices' levels.
+  gather="coded" every device converts a leaf at the largest of the devices' scales (at most 4x
+  the smallest: `co3_exchange.agree_scales`), so that the averaged shard crosses exactly, as
+  the sum of the devices' levels.
 
   Args:
     fmt: "fp4" ([1,2,1]) or "fp8" ([1,5,2]).
