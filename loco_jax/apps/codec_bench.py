@@ -77,8 +77,8 @@ def _codecs(beta: float) -> dict[str, tuple[Codec, bool]]:
                                lambda d: huffman.decode(d, probabilities=model)), False),
       "zlib_6": ((lambda s: zlib.compress(s, 6), _zlib_decode), False),
       "zlib_huffman_only": ((_zlib_huffman_only, _zlib_decode), False),
-      # co3's coder (zlib-ng, with its header and CRC32), and its raw deflate beside Python's
-      # zlib doing the same: what choosing zlib-ng bought.
+      # co3's coder (zlib-ng's deflate, libdeflate's inflate, with its header and CRC32), and
+      # its raw deflate with zlib-ng's and with Python's zlib alone: what the libraries bought.
       "huffman_deflate": ((huffman_deflate.encode, _huffman_deflate_decode), False),
       "raw_huffman_only_zlib": ((lambda s: _raw_huffman_only(zlib, s),
                                  lambda d: _raw_inflate(zlib, d)), False),

@@ -2,18 +2,20 @@
 
 The wire format of CO3's coded exchange. zlib's `Z_HUFFMAN_ONLY` strategy writes deflate
 blocks of dynamic Huffman codes for the bytes and never an LZ77 match: pure Huffman coding,
-one code table per block of about 32K bytes (carried in the block's header). The library is
-zlib-ng (the `zlib-ng` package's bindings): the same deflate format as Python's zlib, which
-decodes its streams, in about half the encoding time and 0.8 of the decoding time, with a
-CRC32 that costs next to nothing (docs/EXPERIMENTS_CO3.md). For fp4 a byte is a pair of
-symbols (`first << 4 | second`), which closes most of Huffman's gap to the entropy, as
-`huffman.encode_pairs` does.
+one code table per block of about 32K bytes (carried in the block's header). Streams are
+written by zlib-ng (the `zlib-ng` package's bindings: the same deflate format as Python's
+zlib, in about half its encoding time) and read by libdeflate (the `deflate` package: a
+whole-buffer inflate into exactly the expected bytes, 1.7x zlib-ng's speed on these streams;
+docs/EXPERIMENTS_CO3.md); Python's zlib reads ours and we read its. For fp4 a byte is a
+pair of symbols (`first << 4 | second`), which closes most of Huffman's gap to the entropy,
+as `huffman.encode_pairs` does.
 
 Stream: "LD", version 1, the byte count (LEB128 varint), the CRC32 of the bytes (4 bytes,
 little-endian), then raw deflate (no zlib header). `decode` treats the stream as untrusted:
-whatever is not a stream of exactly the expected bytes raises ValueError (wrong magic,
-version or count, truncation, trailing bytes, a deflate error, a CRC mismatch), and it never
-produces more than the expected count (memory is bounded by the caller's `size`).
+whatever does not decode to exactly the expected bytes raises ValueError (wrong magic,
+version or count, truncation, a deflate error, a CRC mismatch), and it never produces more
+than the expected count (memory is bounded by the caller's `size`). Bytes after the deflate's
+final block are not read (libdeflate stops there): they cannot change what is decoded.
 
 Example:
   >>> data = np.array([0, 0, 1, 9], np.uint8)
@@ -21,6 +23,7 @@ Example:
   array([0, 0, 1, 9], dtype=uint8)
 """
 
+import deflate
 import numpy as np
 from zlib_ng import zlib_ng as zlib
 
@@ -81,16 +84,14 @@ def decode(stream, size: int) -> np.ndarray:
   if len(view) < at + 4:
     raise ValueError("truncated stream: the CRC32 is cut off")
   crc = int.from_bytes(view[at:at + 4], "little")
-  inflater = zlib.decompressobj(-15)
-  try:  # at most size + 1 bytes: a longer stream shows itself without growing further
-    out = inflater.decompress(view[at + 4:], size + 1)
-  except zlib.error as e:
-    raise ValueError(f"corrupt stream: deflate says {e}") from None
-  if len(out) != size or not inflater.eof:
-    raise ValueError(f"corrupt or truncated stream: it decodes to {len(out)} bytes"
-                     f"{'' if inflater.eof else ' and does not end'}, {size} were expected")
-  if inflater.unused_data or inflater.unconsumed_tail:
-    raise ValueError("corrupt stream: bytes follow the end of the deflate data")
+  try:  # into at most `size` bytes: a longer stream fails without growing further
+    out = deflate.deflate_decompress(view[at + 4:], size)
+  except deflate.DeflateError:
+    raise ValueError(f"corrupt or truncated stream: it does not inflate to at most {size} "
+                     f"bytes") from None
+  if len(out) != size:
+    raise ValueError(f"corrupt or truncated stream: it decodes to {len(out)} bytes, {size} "
+                     f"were expected")
   if zlib.crc32(out) != crc:
     raise ValueError("corrupt stream: the CRC32 of the decoded bytes does not match")
   return np.frombuffer(out, np.uint8)

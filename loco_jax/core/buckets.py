@@ -183,13 +183,6 @@ def to_buckets(flats: Sequence[jax.Array | None], p: Plan) -> list[jax.Array]:
   return _concatenated(parts, dtype)
 
 
-def finite(bucket: jax.Array) -> jax.Array:
-  """Whether every value of a bucket is finite. A sum of x * 0 (NaN exactly where some x is
-  inf or NaN): one pass that XLA:CPU reduces as it reads, where an `all(isfinite(x))`
-  writes out a bool per value first."""
-  return jnp.isfinite(jnp.sum(bucket * np.float32(0)))
-
-
 def starts(p: Plan, count: jax.Array) -> list[list | None]:
   """Each leaf's pieces' first blocks, for `from_buckets`, `shards` and `scales_from_buckets`.
 

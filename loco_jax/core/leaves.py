@@ -155,7 +155,7 @@ class Leaves(NamedTuple):
     """Whether every value of the sent leaves (or of `indices`) is finite, on this device."""
     ok = jnp.bool_(True)
     for i in self.sent if indices is None else indices:
-      ok &= jnp.all(jnp.isfinite(self.leaves[i]))
+      ok &= quant.all_finite(self.leaves[i])
     return ok
 
   def agree(self, flags: jax.Array) -> jax.Array:

@@ -91,6 +91,13 @@ def sum_rows(x_NxX: jax.Array) -> jax.Array:
   return total
 
 
+def all_finite(x: jax.Array) -> jax.Array:
+  """Whether every value of `x` is finite. A sum of x * 0 (NaN exactly where some x is inf or
+  NaN): one pass that XLA:CPU reduces as it reads, where an `all(isfinite(x))` writes out a
+  bool per value first."""
+  return jnp.isfinite(jnp.sum(x * np.float32(0)))
+
+
 def compress(x: jax.Array, scale: jax.Array | float, bits: int) -> jax.Array:
   """Eq. (1): clip(round_half_to_even(scale * x), -2**(p-1), 2**(p-1) - 1) as int8.
 

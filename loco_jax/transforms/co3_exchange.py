@@ -195,12 +195,11 @@ def _gather(settings: Co3Settings, row_B, side_S, coded_path: bool,
   return coded.all_gather(row_B, side_S, capacity, CODER, settings.axis_name)
 
 
-def _whole(settings: Co3Settings, layouts: list, symbols: list, scales: jax.Array,
+def _whole(settings: Co3Settings, layouts: list, rows_1xB: jax.Array, scales: jax.Array,
            flag: jax.Array, coded_path: bool) -> Exchanged:
   """The all-gather of every device's whole symbols; each device averages all of them."""
   leaf_count = len(layouts)
-  got = _gather(settings, symbol_rows(symbols, layouts, settings.fmt)[0],
-                jnp.concatenate([scales, flag[None]]), coded_path,
+  got = _gather(settings, rows_1xB[0], jnp.concatenate([scales, flag[None]]), coded_path,
                 settings.capacity_bits * symbols_per_byte(settings.fmt))
   values = row_values(got.rows, got.side[:, :leaf_count], layouts, settings.fmt)
   flag = got.side[:, leaf_count].sum() + _corrupt(got.missing)
@@ -250,12 +249,12 @@ def _sum_gather(settings: Co3Settings, got: coded.Received, layouts: list, scale
           for i, (end, lay) in enumerate(zip(ends, layouts))], gathered
 
 
-def _per_shard(settings: Co3Settings, layouts: list, symbols: list, scales: jax.Array,
+def _per_shard(settings: Co3Settings, layouts: list, rows_NxB: jax.Array, scales: jax.Array,
                flag: jax.Array, coded_path: bool) -> Exchanged:
   """All-to-all of the rows, the mean of this device's shard, the gather of the shards."""
   n, leaf_count = layouts[0].rows, len(layouts)
   side_NxS = jnp.broadcast_to(jnp.concatenate([scales, flag[None]]), (n, leaf_count + 1))
-  got = _send(settings, symbol_rows(symbols, layouts, settings.fmt), side_NxS, coded_path)
+  got = _send(settings, rows_NxB, side_NxS, coded_path)
   status = jnp.stack([got.side[:, leaf_count].sum() + _corrupt(got.missing),
                       (got.missing[0] > 0).astype(jnp.float32)])
   if settings.gather == "bf16":
@@ -287,8 +286,11 @@ def exchange(settings: Co3Settings, symbols: list, scales: jax.Array,
   n = comm.axis_size(settings.axis_name, "co3")
   per_shard = is_per_shard(settings, n)
   layouts = [layout.leaf_layout(s.size, n if per_shard else 1, None) for s in symbols]
-  run = (functools.partial(_per_shard, settings, layouts, symbols, scales, flag)
-         if per_shard else functools.partial(_whole, settings, layouts, symbols, scales, flag))
+  # Made once: a retry that converted again would have XLA convert every step, for the
+  # conditional's operands, what the coded path has already converted.
+  rows = symbol_rows(symbols, layouts, settings.fmt)
+  run = functools.partial(_per_shard if per_shard else _whole, settings, layouts, rows, scales,
+                          flag)
   first = run(settings.entropy_code)
   if not settings.entropy_code:
     return first

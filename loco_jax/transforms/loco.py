@@ -25,7 +25,7 @@ import optax
 
 from loco_jax import kernels
 from loco_jax.comm import bucketed, exchange
-from loco_jax.core import args, buckets, leaves, local_blocks, trees
+from loco_jax.core import args, buckets, leaves, local_blocks, quant, trees
 from loco_jax.core.layout import AxisName
 from loco_jax.kernels import feedback
 from loco_jax.transforms import coders
@@ -207,7 +207,7 @@ def finite_first(grads: leaves.Leaves, plans: dict, filled: dict, mode: Exchange
   if (mode.axis_name is not None or jax.default_backend() not in leaves.SKIP_BY_COND
       or not any(p.has_bare_leaf() for p in plans.values())):
     return None
-  finite = functools.reduce(jnp.logical_and, [buckets.finite(g) for grad_buckets in
+  finite = functools.reduce(jnp.logical_and, [quant.all_finite(g) for grad_buckets in
                                               filled.values() for g in grad_buckets])
   return grads.agree(leaves.flag(finite))
 
