@@ -270,18 +270,74 @@ def test_capacity_and_bits_in_the_compiled_program(per_shard):
   step, state = per_shard
   found = comm.compiled_collectives(step, _grads(0, 8), state)
   always = [c for c in found if not c.conditional]
-  assert sorted(c.op for c in always) == ["all-gather", "all-to-all"]
+  # The slots, the gather, and the 4-byte agreement on whether the slots' extension goes.
+  assert sorted(c.op for c in always) == ["all-gather", "all-reduce", "all-to-all"]
   a2a = next(c for c in always if c.op == "all-to-all")
   rows = sum(layout.shard_len(x.size, 8) for x in jax.tree.leaves(PARAMS)) // 2  # fp4 pairs
-  capacity_bits = co3_exchange.co3_host.default_capacity_bits(fp.FP4)
-  slot = coded.slot_bytes(rows, 2 * capacity_bits, CODER)
-  assert a2a.dtype == "u8" and a2a.nbytes == 8 * (slot + 4 + 4 * 3)  # + length, scales, flag
+  usual = coded.slot_bytes(rows, 2 * co3_exchange.co3_host.usual_capacity_bits(fp.FP4), CODER)
+  assert a2a.dtype == "u8" and a2a.nbytes == 8 * (usual + 4 + 4 * 3)  # + length, scales, flag
   bits = comm.wire_bits_per_param(found, N_PARAMS)
-  predicted = co3_exchange.predicted_bits(8, 8 * (slot + 16) / (2 * rows), 16.0, True)
+  predicted = co3_exchange.predicted_bits(8, 8 * (usual + 16) / (2 * rows), 16.0, True)
   assert bits == pytest.approx(predicted, rel=0.03)
-  raw = [c for c in found if c.conditional]  # the overflow path: raw fp4, two symbols a byte
+  # On the steps that need them: the extension (up to the model's worst case), then the raw
+  # resend of fp4, two symbols a byte.
+  extension, *raw = [c for c in found if c.conditional]
+  reach = coded.slot_bytes(rows, 2 * co3_exchange.co3_host.default_capacity_bits(fp.FP4), CODER)
+  assert extension.op == "all-to-all" and extension.nbytes == 8 * (reach - usual)
   assert sorted(c.op for c in raw) == ["all-gather", "all-to-all"]
   assert comm.wire_bits_per_param(found, N_PARAMS, include_conditional=True) > bits
+
+
+@pytest.mark.slow
+def test_a_stream_longer_than_usual_takes_the_extension_on_every_device(per_shard):
+  step, state = per_shard
+  grads = _grads(7, 8)
+  plain, plain_state = jax.block_until_ready(step(grads, state))
+  rows = sum(layout.shard_len(x.size, 8) for x in jax.tree.leaves(PARAMS)) // 2
+  usual = coded.slot_bytes(rows, 2 * co3_exchange.co3_host.usual_capacity_bits(fp.FP4), CODER)
+
+  def lengthen_one(sender, destination, stream):  # device 3's stream for device 5: one byte
+    # more than the usual slot (bytes after a deflate stream's last block are not read)
+    return stream + bytes(usual + 1 - len(stream)) if (sender, destination) == (3, 5) else stream
+
+  with coded.tampering(lengthen_one):
+    out, after = within(60, lambda: step(grads, state))
+  for k in PARAMS:
+    np.testing.assert_array_equal(np.asarray(out[k]), np.asarray(plain[k]))
+  assert (int(after.extended), int(after.overflows)) == (1, 0)
+  assert (int(plain_state.extended), int(plain_state.overflows)) == (0, 0)
+  np.testing.assert_array_equal(np.asarray(after.error["w"]), np.asarray(plain_state.error["w"]))
+
+
+@pytest.mark.parametrize("senders_of_long_rows", [(), (2,), tuple(range(4))])
+def test_slot_extensions_go_only_where_a_stream_needs_them(senders_of_long_rows):
+  n, size = 4, 4096
+  rng = np.random.default_rng(0)
+  rows = rng.integers(0, 4, (n, n, size), dtype=np.uint8)  # 2 bits a byte: fit 3
+  for s in senders_of_long_rows:
+    rows[s] = rng.integers(0, 256, (n, size), dtype=np.uint8)  # 8 bits a byte: need more
+  capacity = coded.slot_bytes(size, 3.0, CODER)
+  extension = coded.slot_bytes(size, 8.5, CODER) - capacity
+
+  def exchange(rows_1xNxB):
+    side = jnp.zeros((n, 1), jnp.float32)
+    a2a = coded.all_to_all(rows_1xNxB[0], side, capacity, CODER, "data", extension)
+    gathered = coded.all_gather(rows_1xNxB[0, 0], side[0], capacity, CODER, "data", extension)
+    return jax.tree.map(lambda x: jnp.asarray(x)[None], (a2a, gathered))
+
+  step = jax.jit(jax.shard_map(exchange, mesh=parallel.data_mesh(n), in_specs=P("data"),
+                               out_specs=P("data")))
+  a2a, gathered = step(jnp.asarray(rows))
+  long = int(bool(senders_of_long_rows))
+  for got, sent in ((a2a, rows.transpose(1, 0, 2)), (gathered, rows[None, :, 0].repeat(n, 0))):
+    np.testing.assert_array_equal(np.asarray(got.rows), sent)  # got[j, s]: s's row for j
+    np.testing.assert_array_equal(np.asarray(got.missing), 0)
+    np.testing.assert_array_equal(np.asarray(got.extended), [long] * n)  # every device alike
+  always, sometimes = [], []
+  for c in comm.compiled_collectives(step, jnp.asarray(rows)):
+    (sometimes if c.conditional else always).append((c.op, c.nbytes))
+  assert sorted(sometimes) == [("all-gather", n * extension), ("all-to-all", n * extension)]
+  assert ("all-reduce", 4) in always  # the all-to-all's agreement; the gather's is its lengths
 
 
 def test_needed_bits_invert_the_slot_size():

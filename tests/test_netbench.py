@@ -307,16 +307,16 @@ CO3_METHODS = ("co3-fp4", "co3-fp8", "co3-fp4-coded")
 
 
 def _co3_per_shard(method: str, n: int) -> bool:
-  """Whether co3's own accounting (co3_exchange.predicted_bits at the default capacity) has
-  `method` take the per-shard exchange on n devices: what netbench must record."""
+  """Whether co3's own accounting (co3_exchange.predicted_bits at the default slots' usual
+  size) has `method` take the per-shard exchange on n devices: what netbench must record."""
   import importlib
   co3 = importlib.import_module("loco_jax.transforms.co3")   # the package exports the factory
   co3_exchange = importlib.import_module("loco_jax.transforms.co3_exchange")
   fmt = co3.FORMATS[method.split("-")[1]]
   gather = "coded" if method.endswith("-coded") else "bf16"
-  bits = co3.default_capacity_bits(fmt)
+  bits = co3.usual_capacity_bits(fmt)
   gathered = (16.0 if gather == "bf16" else
-              importlib.import_module("loco_jax.transforms.co3_host").default_sum_capacity_bits(n))
+              importlib.import_module("loco_jax.transforms.co3_host").usual_sum_capacity_bits(n))
   return (co3_exchange.predicted_bits(n, bits, gathered, True)
           < co3_exchange.predicted_bits(n, bits, gathered, False))
 
@@ -334,7 +334,7 @@ def test_co3_on_three_hosts_sends_its_slots_and_records_its_exchange_and_counts(
   records = {r["method"]: r for r in json.loads(out.read_text())}
   for method, r in records.items():
     assert ("all-to-all" in r["exchange"]) == _co3_per_shard(method, 3), r["exchange"]
-    assert r["counts"] == {"overflows": 0, "rejected": 0} and r["conditional_steps"] == 0
+    assert r["counts"] == {"overflows": 0, "extended": 0, "rejected": 0} and r["conditional_steps"] == 0
     # The slots are sent whole: every host's bytes are the compiled program's prediction.
     for bits in r["measured_bits_per_host"]:
       assert abs(bits / r["predicted_bits_per_param"] - 1) <= 0.03, (method, bits, r)
@@ -367,7 +367,7 @@ def _measure_in_process(method: str, n: int, n_params: int = 4096, steps: int = 
                                        ("co3-fp4", 4)])
 def test_co3_methods_record_which_exchange_ran_and_their_coded_bits(method, n):
   r = _measure_in_process(method, n, profile=1 if n == 4 else 0)
-  assert r["finite"] and r["counts"] == {"overflows": 0, "rejected": 0}
+  assert r["finite"] and r["counts"] == {"overflows": 0, "extended": 0, "rejected": 0}
   assert ("all-to-all" in r["exchange"]) == _co3_per_shard(method, n), r["exchange"]
   assert len(r["gauges"]["coded_bits"]) == n and all(0 < b < 4 for b in r["gauges"]["coded_bits"])
   # The raw resend after an overflow is conditional: outside the every-step prediction.
@@ -460,7 +460,7 @@ def test_overflow_steps_add_the_raw_resend_to_the_prediction(monkeypatch):
                            capacity_bits=1.0))
   monkeypatch.setitem(netbench_methods.METHODS, "co3-tight", tight)
   r = _measure_in_process("co3-tight", 4, steps=3)
-  assert r["counts"] == {"overflows": 3, "rejected": 0} and r["conditional_steps"] == 3
+  assert r["counts"] == {"overflows": 3, "extended": 0, "rejected": 0} and r["conditional_steps"] == 3
   assert r["finite"]
   (record,) = netbench_report.summarize([r], 1, "1gbit", 4096)
   assert record["expected_bits_per_param"] == pytest.approx(

@@ -295,7 +295,7 @@ def co3_record(states: Sequence[Any], found: Sequence[Any], n_params: int, devic
   """What a co3 run measured beside what its compiled program sends: the coded bits a symbol
   (mean over steps and devices), the gradient slots' bits from the HLO (the capacity: what is
   sent) and the gather's (bits an element of the averaged shard), the wire bits
-  co3_exchange.predicted_bits gives for those slots, overflow and rejected steps."""
+  co3_exchange.predicted_bits gives for those slots, overflow, extended and rejected steps."""
   from loco_jax import comm
   from loco_jax.transforms import co3_exchange
   last = states[-1]
@@ -313,8 +313,8 @@ def co3_record(states: Sequence[Any], found: Sequence[Any], n_params: int, devic
               devices, slot_bits, gather_bits, per_shard), 4),
           "wire_bits_with_overflow_path": round(comm.wire_bits_per_param(
               found, n_params, include_conditional=True), 4),
-          "overflow_steps": int(last.overflows), "rejected_steps": int(last.rejected),
-          "steps": len(states)}
+          "overflow_steps": int(last.overflows), "extended_steps": int(last.extended),
+          "rejected_steps": int(last.rejected), "steps": len(states)}
 
 
 def per_device_bytes(tree: Any) -> int:

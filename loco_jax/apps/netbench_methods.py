@@ -26,7 +26,9 @@ class Method(NamedTuple):
   `rejected`), reported as their increase over the timed steps. gauges: fields reported as
   their values after the last timed step (CO3's per-device `coded_bits`). conditional_count:
   the one of `counts` that counts the steps which ran the step's conditional collectives (CO3's
-  raw resend after an overflow): each such step adds their bytes to the prediction.
+  raw resend after an overflow, which follows its slots' extension): each such step adds their
+  bytes to the prediction. (A CO3 step that took the extension alone, `extended`, sends more
+  than the prediction and less than that.)
   """
   help: str
   make: Callable[[], Any]
@@ -104,8 +106,9 @@ ENTROPY_SLOT_BITS = 2.75
 # Slots fitted to netbench's gradients, as ENTROPY_SLOT_BITS for LoCo's codes
 # (experiments/co3_slot_needs.py, 12 steps): a step's largest stream needs 2.79-2.84 bits a fp4
 # symbol (the all-to-all at 4 hosts, the all-gather at 2) and the sums of 4 hosts' levels
-# 3.85-3.88 bits an element, against co3's defaults of 3.76 and 5.52 (the fitted model's worst
-# case over beta in [0.2, 3]). A stream that does not fit sends the step raw (`overflows`).
+# 3.85-3.88 bits an element, against co3's default slots of 3.08 and 4.19 (the fitted model's
+# entropy up to beta 1; they extend to its worst case, 3.76 and 5.51, on the steps that need
+# it: `extended`). A stream that does not fit sends the step raw (`overflows`).
 CO3_FITTED_SLOT_BITS = {"capacity_bits": 3.0, "gather_capacity_bits": 4.1}
 
 
@@ -113,7 +116,7 @@ def _co3(help_text: str, fmt: str, gather: str = "bf16", **slots) -> Method:
   """CO3 at gamma 0.7 with `exchange="auto"`: the record's `exchange` says which one ran."""
   return Method(help_text, lambda: _lib("transforms.co3").co3(fmt, gamma=0.7, axis_name="data",
                                                                gather=gather, **slots),
-                counts=("overflows", "rejected"), gauges=("coded_bits",),
+                counts=("overflows", "extended", "rejected"), gauges=("coded_bits",),
                 conditional_count="overflows")
 
 

@@ -9,6 +9,11 @@ exactly its row as corrupt; `Received.missing` carries both counts, and the call
 raw or to skip the step. Nothing here knows what the bytes mean: CO3 sends pairs of fp4
 symbols (or fp8 symbols), LoCo's packed 4-bit codes (`quant.pack`) go through the same calls.
 
+A slot may have an extension: its first `capacity` bytes always cross, the next `extension`
+bytes only on the steps where some stream is longer than `capacity` (a second collective inside
+a lax.cond, which every device enters alike): slots sized for the usual streams, with room for
+the rare long ones without resending the step raw.
+
 Entry points: `all_to_all` (row j to device j: a reduce-scatter's first half), `all_gather`,
 and `raw_all_to_all` / `raw_all_gather` with the same results for the uncoded path.
 
@@ -20,7 +25,7 @@ Example (inside jax.shard_map over "data", n devices):
 """
 
 import functools
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +43,7 @@ class Received(NamedTuple):
   side: jax.Array         # float32 [n, S]
   missing: jax.Array      # int32 [2]: slots here that [overflowed, did not decode]; raw: zeros
   coded_bytes: jax.Array  # int32: bytes of the streams this device coded (raw: 0)
+  extended: Any = 0       # int32 0 or 1, alike on every device: the slots' extension was sent
 
 
 def _as_bytes(x: jax.Array) -> jax.Array:
@@ -81,8 +87,25 @@ def _decode(slots_NxC: jax.Array, lengths: jax.Array, own_B: jax.Array, me: jax.
   return leaves.vary_like(out, slots_NxC)
 
 
+def _extensions(tails: jax.Array, received: jax.Array, extended: jax.Array,
+                send) -> jax.Array:
+  """uint8 [n, extension]: `send(tails)` where `extended` (alike on every device), else zeros
+  typed as `received` (the first collective's result, varying or not alike)."""
+  zeros = lambda: leaves.vary_like(jnp.zeros((received.shape[0], tails.shape[1]), jnp.uint8),
+                                   received)
+  return jax.lax.cond(extended, lambda: send(tails), zeros)
+
+
+def _arrived(lengths: jax.Array, capacity: int, extension: int,
+             extended: jax.Array) -> jax.Array:
+  """The received lengths, where one longer than the bytes that arrived for its slot reads as
+  overflowed (only a peer that did not take part in the agreement sends one)."""
+  arrived = jnp.where(extended, capacity + extension, capacity)
+  return jnp.where(lengths > arrived, capacity + extension + 1, lengths)
+
+
 def all_to_all(rows_NxB: jax.Array, side_NxS: jax.Array, capacity: int, coder: ByteCoder,
-               axis_name: AxisName) -> Received:
+               axis_name: AxisName, extension: int = 0) -> Received:
   """Row j of `rows_NxB` (uint8) coded into a slot of `capacity` bytes, sent to device j with
   row j of `side_NxS` (float32) in ONE all-to-all; every slot received here decoded.
 
@@ -92,35 +115,56 @@ def all_to_all(rows_NxB: jax.Array, side_NxS: jax.Array, capacity: int, coder: B
     capacity: bytes of a slot (`slot_bytes`).
     coder: the host coder.
     axis_name: the mesh axis (inside jax.shard_map).
+    extension: bytes a slot may take beyond `capacity`, sent (every slot's, in a second
+      all-to-all) only where some device coded a longer stream; the devices agree on it in one
+      all-reduce of their longest stream.
 
   Returns:
     `Received`: row s is device s's row j for this device j; this device's own row is never
     coded (it does not cross the wire).
   """
   me = jax.lax.axis_index(axis_name)
-  slots, lengths = _code(rows_NxB, capacity, coder, me, me)
-  buffer, at = _frame(slots, _as_bytes(lengths[:, None]), _as_bytes(side_NxS))
+  slots, lengths = _code(rows_NxB, capacity + extension, coder, me, me)
+  buffer, at = _frame(slots[:, :capacity], _as_bytes(lengths[:, None]), _as_bytes(side_NxS))
   received = wire.all_to_all(buffer, axis_name)
-  own = jax.lax.dynamic_index_in_dim(rows_NxB, me, keepdims=False)
+  got_slots = received[:, :at[1]]
   got_lengths = _from_bytes(received[:, at[1]:at[2]], jnp.int32)[:, 0]
-  rows, missing = _decode(received[:, :at[1]], got_lengths, own, me, coder)
+  extended = jnp.bool_(False)
+  if extension:
+    extended = jax.lax.pmax(jnp.max(lengths), axis_name) > capacity
+    got_slots = jnp.concatenate(
+        [got_slots, _extensions(slots[:, capacity:], received, extended,
+                                lambda tails: wire.all_to_all(tails, axis_name))], axis=1)
+    got_lengths = _arrived(got_lengths, capacity, extension, extended)
+  own = jax.lax.dynamic_index_in_dim(rows_NxB, me, keepdims=False)
+  rows, missing = _decode(got_slots, got_lengths, own, me, coder)
   return Received(rows, _from_bytes(received[:, at[2]:], jnp.float32), missing,
-                  jnp.sum(jnp.where(lengths > 0, lengths, 0)))
+                  jnp.sum(jnp.where(lengths > 0, lengths, 0)), extended.astype(jnp.int32))
 
 
 def all_gather(row_B: jax.Array, side_S: jax.Array, capacity: int, coder: ByteCoder,
-               axis_name: AxisName) -> Received:
+               axis_name: AxisName, extension: int = 0) -> Received:
   """`row_B` (uint8) coded into a slot of `capacity` bytes and all-gathered with `side_S`
   (float32); every peer's slot decoded here. Every device receives the same slots, so the
   overflow counts (`Received.missing[0]`) agree; what fails to decode is found by each
-  receiver of it, but not by its sender: agree on it through a later collective."""
+  receiver of it, but not by its sender: agree on it through a later collective. `extension`
+  as for `all_to_all`, agreed from the gathered lengths (which every device has alike)."""
   me = jax.lax.axis_index(axis_name)
-  slot, length = _code(row_B[None], capacity, coder, me, -1)
-  buffer, at = _frame(slot, _as_bytes(length[:, None]), _as_bytes(side_S[None]))
+  slot, length = _code(row_B[None], capacity + extension, coder, me, -1)
+  buffer, at = _frame(slot[:, :capacity], _as_bytes(length[:, None]), _as_bytes(side_S[None]))
   gathered = wire.all_gather(buffer, axis_name)
+  got_slots = gathered[:, :at[1]]
   got_lengths = _from_bytes(gathered[:, at[1]:at[2]], jnp.int32)[:, 0]
-  rows, missing = _decode(gathered[:, :at[1]], got_lengths, row_B, me, coder)
-  return Received(rows, _from_bytes(gathered[:, at[2]:], jnp.float32), missing, length[0])
+  extended = jnp.bool_(False)
+  if extension:
+    extended = jnp.max(got_lengths) > capacity
+    got_slots = jnp.concatenate(
+        [got_slots, _extensions(slot[:, capacity:], gathered, extended,
+                                lambda tail: wire.all_gather(tail, axis_name))], axis=1)
+    got_lengths = _arrived(got_lengths, capacity, extension, extended)
+  rows, missing = _decode(got_slots, got_lengths, row_B, me, coder)
+  return Received(rows, _from_bytes(gathered[:, at[2]:], jnp.float32), missing, length[0],
+                  extended.astype(jnp.int32))
 
 
 def raw_all_to_all(rows_NxB: jax.Array, side_NxS: jax.Array, axis_name: AxisName) -> Received:

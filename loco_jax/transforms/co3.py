@@ -29,7 +29,8 @@ from loco_jax.codecs import fp
 from loco_jax.core import layout, leaves, local_blocks, quant, trees
 from loco_jax.transforms import co3_exchange, co3_host
 from loco_jax.transforms.co3_exchange import EXCHANGES, GATHERS, Co3Settings
-from loco_jax.transforms.co3_host import default_capacity_bits, fitted_scale  # noqa: F401
+from loco_jax.transforms.co3_host import (default_capacity_bits, fitted_scale,  # noqa: F401
+                                         usual_capacity_bits)
 
 FORMATS = {"fp4": fp.FP4, "fp8": fp.FP8}
 
@@ -41,6 +42,7 @@ class Co3State(NamedTuple):
   scale: optax.Updates      # float32 [1] per leaf: the small-float scale from the last fit
   coded_bits: jax.Array     # float32 [1]: bits a symbol of this device's streams, last step
   overflows: jax.Array      # int32: steps that went raw because a stream did not fit its slot
+  extended: jax.Array       # int32: steps where some stream took its slot's extension
   rejected: jax.Array       # int32: steps skipped because a peer's stream did not decode
 
   PER_DEVICE = ("error", "scale", "coded_bits")
@@ -77,17 +79,21 @@ def co3(fmt: str = "fp4", gamma: float = 0.7, refit_interval: int = 100,
     entropy_code: Huffman-code the symbols (`codecs.huffman_deflate`); False sends them raw.
     axis_name: the mesh axis to average over, or None (local, no communication).
     capacity_bits: bits a symbol of the all-to-all's (or the whole gradients' all-gather's)
-      coded slots (default `default_capacity_bits(fmt)`); a stream that does not fit sends
-      that step's exchange raw (lossless, `state.overflows`). The defaults are the fitted
-      model's worst case over beta in [0.2, 3]; a model whose streams you have measured
-      sends less in slots fitted to them (docs/EXPERIMENTS_CO3.md, "Fitted slots").
+      coded slots; a stream that does not fit sends that step's exchange raw (lossless,
+      `state.overflows`). Default: slots of `usual_capacity_bits(fmt)` (the fitted model's
+      entropy for beta up to 1) that extend to `default_capacity_bits(fmt)` (its worst case
+      over beta in [0.2, 3]) on the steps where some stream needs it: a second, smaller
+      collective then (`state.extended`). A model whose streams you have measured sends less
+      in slots fitted to them (docs/EXPERIMENTS_CO3.md, "Fitted slots"); a given size has no
+      extension.
     gather: "bf16" or "coded" (fp4 on at most 21 devices: the exact sums of the devices' fp4
       levels, one byte an element, coded): how the per-shard exchange returns the averaged
       shards.
     exchange: "auto", "all_to_all" (per shard) or "all_gather" (whole gradients).
     specs: PartitionSpecs of leaves sharded over other mesh axes (as in `loco`).
     gather_capacity_bits: bits an element of the coded gather's slots (gather="coded" only;
-      default `co3_host.default_sum_capacity_bits(n)`); overflow as for `capacity_bits`. An
+      default `co3_host.usual_sum_capacity_bits(n)`, extending to `default_sum_capacity_bits(n)`
+      as for `capacity_bits`); overflow as for `capacity_bits`. An
       axis that `exchange="auto"` gives the all-gather of whole gradients (2 devices) has no
       such gather: `co3_exchange.is_per_shard` says which.
 
@@ -137,10 +143,14 @@ def _settings(fmt, gamma, refit_interval, entropy_code, axis_name, capacity_bits
     raise ValueError(f"gather='coded' sends the exact sums of the devices' fp4 levels in a "
                      f"byte; {fmt}'s levels span too many steps for that: use gather='bf16'")
   small_float = FORMATS[fmt]
-  capacity = default_capacity_bits(small_float) if capacity_bits is None else capacity_bits
+  if capacity_bits is None:
+    capacity, reach = usual_capacity_bits(small_float), default_capacity_bits(small_float)
+  else:
+    capacity, reach = capacity_bits, None
   return Co3Settings(small_float, gamma, refit_interval, entropy_code, axis_name,
                      float(capacity), gather, exchange, specs,
-                     None if gather_capacity_bits is None else float(gather_capacity_bits))
+                     None if gather_capacity_bits is None else float(gather_capacity_bits),
+                     reach)
 
 
 def _axis_size(settings: Co3Settings) -> int:
@@ -156,6 +166,7 @@ def init(settings: Co3Settings, params: Any) -> Co3State:
       scale=jax.tree.map(lambda _: jnp.ones((1,), jnp.float32), sizes),
       coded_bits=jnp.zeros((1,), jnp.float32),
       overflows=jnp.zeros([], jnp.int32),
+      extended=jnp.zeros([], jnp.int32),
       rejected=jnp.zeros([], jnp.int32))
 
 
@@ -180,17 +191,21 @@ def update(settings: Co3Settings, updates: Any, state: Co3State) -> tuple[Any, C
 
 
 def _counters(settings: Co3Settings, grads: leaves.Leaves, mapped: leaves.Mapped,
-              state: Co3State) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """The new coded_bits, overflows and rejected, from the groups' results (`GroupState`)."""
+              state: Co3State) -> tuple[jax.Array, ...]:
+  """The new coded_bits, overflows, extended and rejected, from the groups' results
+  (`GroupState`)."""
   taken, rejected = jnp.isfinite(mapped.flags), mapped.flags == jnp.inf
   groups = list(mapped.states.values())
-  overflowed = sum(s.overflowed for s in groups)
-  if settings.axis_name is not None:  # every shard, like every device, counts it alike
-    overflowed = grads.agree(overflowed)
+  happened = {}
+  for name in ("overflowed", "extended"):
+    count = sum(getattr(s, name).astype(jnp.float32) for s in groups)
+    if settings.axis_name is not None:  # every shard, like every device, counts it alike
+      count = grads.agree(count)
+    happened[name] = (taken & (count > 0)).astype(jnp.int32)
   bits = (8.0 * sum(s.coded_bytes for s in groups) / max(sum(s.symbols for s in groups), 1)
           if settings.entropy_code else settings.fmt.bits)
   return (jnp.where(taken, bits, state.coded_bits).reshape(1).astype(jnp.float32),
-          state.overflows + (taken & (overflowed > 0)).astype(jnp.int32),
+          state.overflows + happened["overflowed"], state.extended + happened["extended"],
           state.rejected + rejected.astype(jnp.int32))
 
 
@@ -199,6 +214,7 @@ class GroupState(NamedTuple):
   error: list               # float32 [size] per leaf of the group: e = a - q
   scale: list               # float32 [1] per leaf of the group
   overflowed: jax.Array     # float32 0 or 1: some stream did not fit its slot
+  extended: jax.Array       # int32 0 or 1: some stream took its slot's extension
   coded_bytes: jax.Array    # int32: bytes of this device's streams
   symbols: int              # symbols those streams held
 
@@ -228,6 +244,6 @@ def group_step(settings: Co3Settings, grads: leaves.Leaves, group: leaves.Group,
   sent = [fp.decode(q, settings.fmt, s) for q, s in zip(converted.symbols, converted.scales)]
   new = GroupState([a - q for a, q in zip(converted.compensated, sent)],
                    [s[None] for s in converted.scales], exchanged.overflowed,
-                   exchanged.coded_bytes,
+                   exchanged.extended, exchanged.coded_bytes,
                    co3_exchange.coded_symbols(settings, n, converted.symbols))
   return leaves.GroupResult(lambda: exchanged.values, exchanged.flag, new)

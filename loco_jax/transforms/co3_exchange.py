@@ -18,9 +18,11 @@ n = 1 + G / C for a gather of G bits an element).
 
 Status, replicated on every device: `flag` is 0, +inf where some receiver found a peer's
 stream corrupt, or NaN where some device saw a non-finite gradient (sums keep that meaning);
-`overflowed` is 1 where some stream did not fit its slot: the step's exchange then runs again,
-raw, inside a lax.cond that every device takes alike (lossless; the bytes are counted as
-conditional in the HLO).
+`extended` is 1 where some stream was longer than its slot's usual size and took the slot's
+extension (default slots only: `co3_host.usual_capacity_bits`, extended up to
+`default_capacity_bits`; `comm.coded`); `overflowed` is 1 where some stream did not fit even so:
+the step's exchange then runs again, raw, inside a lax.cond that every device takes alike
+(lossless). Both conditional collectives' bytes are counted as conditional in the HLO.
 """
 
 import functools
@@ -54,6 +56,7 @@ class Co3Settings(NamedTuple):
   exchange: str
   specs: Any
   gather_capacity_bits: float | None  # per element, of the coded gather's slots (None: default)
+  capacity_reach_bits: float | None = None  # per symbol, a slot with its extension (None: none)
 
 
 class Exchanged(NamedTuple):
@@ -62,6 +65,7 @@ class Exchanged(NamedTuple):
   flag: jax.Array          # float32
   overflowed: jax.Array    # float32 0 or 1
   coded_bytes: jax.Array   # int32: bytes this device's coder produced (its uplink streams)
+  extended: jax.Array      # int32 0 or 1: some slot took its extension (`comm.coded`)
 
 
 def symbols_per_byte(fmt: fp.FloatFormat) -> int:
@@ -86,7 +90,23 @@ def gather_bits(settings: Co3Settings, n: int) -> float:
     return 8.0
   if settings.gather_capacity_bits is not None:
     return settings.gather_capacity_bits
+  return co3_host.usual_sum_capacity_bits(n)
+
+
+def gather_reach_bits(settings: Co3Settings, n: int) -> float | None:
+  """Bits an element of a coded gather's slot with its extension (None: no extension, where
+  the caller sized the slot)."""
+  if settings.gather_capacity_bits is not None:
+    return None
   return co3_host.default_sum_capacity_bits(n)
+
+
+def _extension(size: int, capacity: int, reach_bits_per_byte: float | None) -> int:
+  """Bytes of a slot's extension (`comm.coded`) beyond `capacity`, reaching
+  `reach_bits_per_byte` for `size` bytes; 0 without."""
+  if reach_bits_per_byte is None:
+    return 0
+  return max(0, coded.slot_bytes(size, reach_bits_per_byte, CODER) - capacity)
 
 
 def is_per_shard(settings: Co3Settings, n: int) -> bool:
@@ -179,20 +199,28 @@ def _corrupt(missing: jax.Array) -> jax.Array:
   return jnp.where(missing[1] > 0, jnp.inf, 0.0).astype(jnp.float32)
 
 
+def _symbol_slots(settings: Co3Settings) -> tuple[float, float | None]:
+  """(bits a byte of a symbols' slot, the same with its extension or None)."""
+  per_byte, reach = symbols_per_byte(settings.fmt), settings.capacity_reach_bits
+  return settings.capacity_bits * per_byte, None if reach is None else reach * per_byte
+
+
 def _send(settings: Co3Settings, rows_NxB, side_NxS, coded_path: bool) -> coded.Received:
   if not coded_path:
     return coded.raw_all_to_all(rows_NxB, side_NxS, settings.axis_name)
-  capacity = coded.slot_bytes(rows_NxB.shape[1], settings.capacity_bits
-                              * symbols_per_byte(settings.fmt), CODER)
-  return coded.all_to_all(rows_NxB, side_NxS, capacity, CODER, settings.axis_name)
+  bits, reach = _symbol_slots(settings)
+  capacity = coded.slot_bytes(rows_NxB.shape[1], bits, CODER)
+  return coded.all_to_all(rows_NxB, side_NxS, capacity, CODER, settings.axis_name,
+                          _extension(rows_NxB.shape[1], capacity, reach))
 
 
-def _gather(settings: Co3Settings, row_B, side_S, coded_path: bool,
-            bits_per_byte: float) -> coded.Received:
+def _gather(settings: Co3Settings, row_B, side_S, coded_path: bool, bits_per_byte: float,
+            reach_bits_per_byte: float | None) -> coded.Received:
   if not coded_path:
     return coded.raw_all_gather(row_B, side_S, settings.axis_name)
   capacity = coded.slot_bytes(row_B.shape[0], bits_per_byte, CODER)
-  return coded.all_gather(row_B, side_S, capacity, CODER, settings.axis_name)
+  return coded.all_gather(row_B, side_S, capacity, CODER, settings.axis_name,
+                          _extension(row_B.shape[0], capacity, reach_bits_per_byte))
 
 
 def _whole(settings: Co3Settings, layouts: list, rows_1xB: jax.Array, scales: jax.Array,
@@ -200,13 +228,14 @@ def _whole(settings: Co3Settings, layouts: list, rows_1xB: jax.Array, scales: ja
   """The all-gather of every device's whole symbols; each device averages all of them."""
   leaf_count = len(layouts)
   got = _gather(settings, rows_1xB[0], jnp.concatenate([scales, flag[None]]), coded_path,
-                settings.capacity_bits * symbols_per_byte(settings.fmt))
+                *_symbol_slots(settings))
   values = row_values(got.rows, got.side[:, :leaf_count], layouts, settings.fmt)
   flag = got.side[:, leaf_count].sum() + _corrupt(got.missing)
   if coded_path:  # its sender does not decode its own stream: agree on what receivers found
     flag = jax.lax.psum(flag, settings.axis_name)
   return Exchanged([quant.mean_over_peers(v)[:lay.size] for v, lay in zip(values, layouts)],
-                   flag, (got.missing[0] > 0).astype(jnp.float32), got.coded_bytes)
+                   flag, (got.missing[0] > 0).astype(jnp.float32), got.coded_bytes,
+                   jnp.asarray(got.extended, jnp.int32))
 
 
 def _bf16_gather(settings: Co3Settings, got: coded.Received, layouts: list,
@@ -238,7 +267,8 @@ def _sum_gather(settings: Co3Settings, got: coded.Received, layouts: list, scale
   valid = jnp.all(jnp.isfinite(sum_R))
   status = status + jnp.stack([jnp.where(valid, 0.0, jnp.inf), 0.0]).astype(jnp.float32)
   sums_B = jnp.where(jnp.isfinite(sum_R), sum_R + offset, 0).astype(jnp.uint8)
-  gathered = _gather(settings, sums_B, status, coded_path, gather_bits(settings, n))
+  gathered = _gather(settings, sums_B, status, coded_path, gather_bits(settings, n),
+                     gather_reach_bits(settings, n))
   # A byte above 2 * offset is no sum of n levels: a peer's forgery, counted as a stream that
   # does not decode (`_corrupt`).
   forged = jnp.any(gathered.rows > 2 * offset).astype(jnp.int32)
@@ -266,7 +296,9 @@ def _per_shard(settings: Co3Settings, layouts: list, rows_NxB: jax.Array, scales
   if settings.gather == "coded" and coded_path:  # as in _whole: the gathered streams' verdict
     flag = jax.lax.psum(flag + _corrupt(gathered.missing), settings.axis_name)
   return Exchanged([layout.from_rows(v, lay) for v, lay in zip(values, layouts)], flag,
-                   overflowed.astype(jnp.float32), got.coded_bytes + gathered.coded_bytes)
+                   overflowed.astype(jnp.float32), got.coded_bytes + gathered.coded_bytes,
+                   jnp.maximum(jnp.asarray(got.extended, jnp.int32),
+                               jnp.asarray(gathered.extended, jnp.int32)))
 
 
 def exchange(settings: Co3Settings, symbols: list, scales: jax.Array,
@@ -296,7 +328,8 @@ def exchange(settings: Co3Settings, symbols: list, scales: jax.Array,
     return first
   retry = (first.overflowed > 0) & (first.flag == 0)
   return jax.lax.cond(retry, lambda: run(False)._replace(overflowed=first.overflowed,
-                                                         coded_bytes=first.coded_bytes),
+                                                         coded_bytes=first.coded_bytes,
+                                                         extended=first.extended),
                       lambda: first)
 
 
@@ -313,7 +346,7 @@ def local(settings: Co3Settings, symbols: list, scales: jax.Array, flag: jax.Arr
     values, flag = jax.lax.all_gather((values, flag[None]), settings.axis_name, tiled=True,
                                       to="invarying")
     flag = flag[0]
-  return Exchanged(values, flag, jnp.float32(0), coded_bytes)
+  return Exchanged(values, flag, jnp.float32(0), coded_bytes, jnp.int32(0))
 
 
 def _roundtrip(row_1xB: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

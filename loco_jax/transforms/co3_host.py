@@ -30,9 +30,28 @@ def fitted_scale(fmt: fp.FloatFormat, beta: float, alpha: float) -> float:
   return gennorm.fp4_scale(max(beta, MIN_BETA), alpha) if fmt == fp.FP4 else 1.0 / alpha
 
 
+BETAS = np.linspace(0.2, 3.0, 15)  # the shapes of gradients seen in practice
+# A slot's usual size holds the fitted model's entropy for shapes in [MIN_BETA, USUAL_BETA]
+# (Laplace); the others (towards the Gaussian that late training tends to, CO3 paper Fig. 4,
+# or below where the model fits) take the slot's extension on the steps that need it
+# (`comm.coded`).
+USUAL_BETA = 1.0
+USUAL_BETAS = BETAS[(BETAS >= MIN_BETA) & (BETAS <= USUAL_BETA)]
+
+
+def _symbol_entropy(fmt: fp.FloatFormat, beta: float) -> float:
+  return gennorm.entropy_bits(fmt, beta, 1.0, fitted_scale(fmt, beta, 1.0))
+
+
+def _capacity(fmt: fp.FloatFormat, betas) -> float:
+  worst = max(_symbol_entropy(fmt, b) for b in betas)
+  mixture = LEAF_MIXTURE_MARGIN_BITS if fmt.exponent_bits > fp.FP4.exponent_bits else 0.0
+  return min(worst + CAPACITY_MARGIN_BITS + mixture, float(fmt.bits))
+
+
 def default_capacity_bits(fmt: fp.FloatFormat) -> float:
-  """Bits per symbol that a coded slot reserves: the largest entropy of the fitted model over
-  beta in [0.2, 3] (gradients seen in practice), plus a margin for Huffman's own overhead.
+  """Bits per symbol that a coded slot holds with its extension: the largest entropy of the
+  fitted model over beta in BETAS, plus a margin for Huffman's own overhead.
 
   fp8 reserves LEAF_MIXTURE_MARGIN_BITS more. A slot holds a shard of every leaf, coded with
   one code table a deflate block, so it pays for the mixture of the leaves' symbol
@@ -40,36 +59,48 @@ def default_capacity_bits(fmt: fp.FloatFormat) -> float:
   leaves of different shapes (beta) and of many exact zeros (embedding rows) sit on
   different ones: on real gradients the mixture costs more than the margin for Huffman's
   overhead covers, and a slot sized to the model alone sends nearly every step raw
-  (docs/EXPERIMENTS_CO3.md). fp4 maps every leaf onto the same six magnitudes, and its
-  model's worst case (beta 0.2 at the floored scale) lies far above what real shards code to.
+  (docs/EXPERIMENTS_CO3.md). fp4 maps every leaf onto the same six magnitudes.
   """
-  betas = np.linspace(0.2, 3.0, 15)
-  worst = max(gennorm.entropy_bits(fmt, b, 1.0, fitted_scale(fmt, b, 1.0)) for b in betas)
-  mixture = LEAF_MIXTURE_MARGIN_BITS if fmt.exponent_bits > fp.FP4.exponent_bits else 0.0
-  return min(worst + CAPACITY_MARGIN_BITS + mixture, float(fmt.bits))
+  return _capacity(fmt, BETAS)
 
 
-@functools.lru_cache(maxsize=None)
-def default_sum_capacity_bits(n: int) -> float:
-  """Bits an element that a coded slot of the exact sums of n devices' fp4 levels reserves
-  (co3's gather="coded"): the largest entropy of the sum of n independent symbols of the
-  fitted model over the same betas as `default_capacity_bits`, plus its margin.
+def usual_capacity_bits(fmt: fp.FloatFormat) -> float:
+  """Bits per symbol that a coded slot always sends: as `default_capacity_bits`, over the
+  shapes in USUAL_BETAS (fp4: 3.08 against 3.76; fp8: 7.02 against 7.26)."""
+  return _capacity(fmt, USUAL_BETAS)
 
-  Independent symbols are the widest sum for given marginals, as far as gradients go: the
-  devices' gradients share their signal, which narrows the sum towards n times one symbol.
-  """
+
+def _sum_entropy(n: int, beta: float) -> float:
+  """Entropy of the sum of n independent fp4 symbols of the fitted GenNorm(beta) model."""
   fmt = fp.FP4
   values = fp.decode(np.arange(256, dtype=np.uint8), fmt)
   valid = np.isfinite(values)
   halves = np.rint(values[valid] * 2).astype(int)  # fp4 levels are halves
-  worst = 0.0
-  for beta in np.linspace(0.2, 3.0, 15):
-    p = gennorm.symbol_probabilities(fmt, beta, 1.0, fitted_scale(fmt, beta, 1.0))
-    one = np.bincount(halves - halves.min(), weights=p[valid])
-    total = functools.reduce(np.convolve, [one] * n)
-    total = total[total > 0]
-    worst = max(worst, float(-(total * np.log2(total)).sum()))
-  return min(worst + CAPACITY_MARGIN_BITS, 8.0)
+  p = gennorm.symbol_probabilities(fmt, beta, 1.0, fitted_scale(fmt, beta, 1.0))
+  one = np.bincount(halves - halves.min(), weights=p[valid])
+  total = functools.reduce(np.convolve, [one] * n)
+  total = total[total > 0]
+  return float(-(total * np.log2(total)).sum())
+
+
+@functools.lru_cache(maxsize=None)
+def default_sum_capacity_bits(n: int) -> float:
+  """Bits an element that a coded slot of the exact sums of n devices' fp4 levels holds with
+  its extension (co3's gather="coded"): the largest entropy of the sum of n independent
+  symbols of the fitted model over BETAS, plus its margin.
+
+  Independent symbols are the widest sum for given marginals, as far as gradients go: the
+  devices' gradients share their signal, which narrows the sum towards n times one symbol.
+  """
+  return min(max(_sum_entropy(n, b) for b in BETAS) + CAPACITY_MARGIN_BITS, 8.0)
+
+
+@functools.lru_cache(maxsize=None)
+def usual_sum_capacity_bits(n: int) -> float:
+  """Bits an element that a coded slot of the sums always sends: as
+  `default_sum_capacity_bits`, over the shapes in USUAL_BETAS (4 devices: 4.19 against
+  5.51)."""
+  return min(max(_sum_entropy(n, b) for b in USUAL_BETAS) + CAPACITY_MARGIN_BITS, 8.0)
 
 
 def absmax_scale(fmt: fp.FloatFormat, absmax, fallback):
