@@ -1,5 +1,6 @@
 """The `loco-jax demo` command on a tiny config: results.json, bits from the HLO, bad input."""
 
+import collections
 import contextlib
 import dataclasses
 import errno
@@ -153,6 +154,25 @@ def test_gradient_collectives_are_of_the_largest_kind_not_the_first():
   assert demo.gradient_collectives([scales, flag, slots, sums]) == [slots]
   assert demo.gradient_bits([scales, flag, slots, sums], 137_216) == pytest.approx(
       8 * 66_000 / 137_216)
+
+
+def test_co3_wire_bits_add_the_conditional_collectives_on_the_steps_that_ran_them():
+  from loco_jax.comm import coded, hlo
+  n_params = 1000
+  always = [hlo.Collective("all-to-all", "u8", 4 * 400, 4),
+            hlo.Collective("all-gather", "u8", 4 * 500, 4)]
+  extension = hlo.Collective("all-to-all", "u8", 4 * 100, 4, True,
+                             op_name=f"shard_map/{coded.EXTENSION_SCOPE}/cond/all_to_all")
+  resend = hlo.Collective("all-to-all", "u8", 4 * 500, 4, True, op_name="cond/all_to_all")
+  state = collections.namedtuple("State", "coded_bits overflows extended rejected")
+  # 10 steps: 3 took the slots' extension, 1 of them then overflowed it and resent raw.
+  states = [state(np.full(4, 2.5), 0, 0, 0)] * 9 + [state(np.full(4, 2.5), 1, 3, 0)]
+  record = demo.co3_record(states, always + [extension, resend], n_params, 4, "coded")
+  bits = lambda nbytes: 8 * 0.75 * nbytes / n_params   # (n-1)/n of a device's 4 rows
+  assert record["extension_wire_bits"] == pytest.approx(bits(400))
+  assert record["resend_wire_bits"] == pytest.approx(bits(2000))
+  assert record["mean_wire_bits"] == pytest.approx(
+      bits(1600 + 2000) + (3 * bits(400) + bits(2000)) / 10, abs=1e-4)
 
 
 # --- Flags and --out are checked before jax starts; outputs are replaced as one set -------------

@@ -1,5 +1,6 @@
 """netbench: real hosts (network namespaces) on a shaped link; bytes on the wire vs the HLO."""
 
+import importlib
 import json
 import os
 import subprocess
@@ -309,7 +310,6 @@ CO3_METHODS = ("co3-fp4", "co3-fp8", "co3-fp4-coded")
 def _co3_per_shard(method: str, n: int) -> bool:
   """Whether co3's own accounting (co3_exchange.predicted_bits at the default slots' usual
   size) has `method` take the per-shard exchange on n devices: what netbench must record."""
-  import importlib
   co3 = importlib.import_module("loco_jax.transforms.co3")   # the package exports the factory
   co3_exchange = importlib.import_module("loco_jax.transforms.co3_exchange")
   fmt = co3.FORMATS[method.split("-")[1]]
@@ -334,7 +334,8 @@ def test_co3_on_three_hosts_sends_its_slots_and_records_its_exchange_and_counts(
   records = {r["method"]: r for r in json.loads(out.read_text())}
   for method, r in records.items():
     assert ("all-to-all" in r["exchange"]) == _co3_per_shard(method, 3), r["exchange"]
-    assert r["counts"] == {"overflows": 0, "extended": 0, "rejected": 0} and r["conditional_steps"] == 0
+    assert r["counts"] == {"overflows": 0, "extended": 0, "rejected": 0}
+    assert r["conditional_steps"] == r["extension_steps"] == 0
     # The slots are sent whole: every host's bytes are the compiled program's prediction.
     for bits in r["measured_bits_per_host"]:
       assert abs(bits / r["predicted_bits_per_param"] - 1) <= 0.03, (method, bits, r)
@@ -460,7 +461,8 @@ def test_overflow_steps_add_the_raw_resend_to_the_prediction(monkeypatch):
                            capacity_bits=1.0))
   monkeypatch.setitem(netbench_methods.METHODS, "co3-tight", tight)
   r = _measure_in_process("co3-tight", 4, steps=3)
-  assert r["counts"] == {"overflows": 3, "extended": 0, "rejected": 0} and r["conditional_steps"] == 3
+  assert r["counts"] == {"overflows": 3, "extended": 0, "rejected": 0}
+  assert r["conditional_steps"] == 3
   assert r["finite"]
   (record,) = netbench_report.summarize([r], 1, "1gbit", 4096)
   assert record["expected_bits_per_param"] == pytest.approx(
@@ -472,6 +474,22 @@ def test_overflow_steps_add_the_raw_resend_to_the_prediction(monkeypatch):
   record["measured_bits_per_host"] = [record["expected_bits_per_param"] * 1.005]
   assert netbench_report.check([record], 0.0) == []
   assert "3 of 3" in netbench_report.format_state_table([record])[2]
+
+
+def test_extended_steps_add_the_slots_extensions_alone_to_the_prediction(monkeypatch):
+  # Default slots whose usual size is 1 bit a symbol: every step's streams take the extension
+  # to the model's worst case (3.76 bits), and none overflows it.
+  monkeypatch.setattr(importlib.import_module("loco_jax.transforms.co3"), "usual_capacity_bits",
+                      lambda fmt: 1.0)
+  r = _measure_in_process("co3-fp4-coded", 4, steps=3)
+  assert r["counts"] == {"overflows": 0, "extended": 3, "rejected": 0}
+  assert (r["conditional_steps"], r["extension_steps"]) == (0, 3) and r["finite"]
+  (record,) = netbench_report.summarize([r], 1, "1gbit", 4096)
+  assert 0 < record["extension_bits_per_param"] < record["conditional_bits_per_param"]
+  assert record["expected_bits_per_param"] == pytest.approx(
+      record["predicted_bits_per_param"] + record["extension_bits_per_param"])
+  assert "conditional collectives, run on 3 of 3" in netbench_report.check(
+      [{**record, "measured_bits_per_host": [record["predicted_bits_per_param"]]}], 0.0)[0]
 
 
 def test_profile_table_lists_each_profiled_methods_costliest_instructions():

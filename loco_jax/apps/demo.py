@@ -96,7 +96,8 @@ class MethodResult(NamedTuple):
   final_loss: float              # mean train loss over the last 10% of steps
   eval_loss: float               # mean loss on the held-out batches after the last step
   gradient_bits_per_param: float  # the gradient collective's buffer (payload + scales), from HLO
-  wire_bits_per_param: float      # sent per device per step, every collective, from HLO
+  wire_bits_per_param: float      # sent per device per step, every collective, from HLO (co3:
+                                  # the mean over the steps, with the conditional ones run)
   step_time_s: float             # median wall time of a step (after compilation)
   losses: list[float]            # train loss of every step
   compile_s: float
@@ -295,10 +296,18 @@ def co3_record(states: Sequence[Any], found: Sequence[Any], n_params: int, devic
   """What a co3 run measured beside what its compiled program sends: the coded bits a symbol
   (mean over steps and devices), the gradient slots' bits from the HLO (the capacity: what is
   sent) and the gather's (bits an element of the averaged shard), the wire bits
-  co3_exchange.predicted_bits gives for those slots, overflow, extended and rejected steps."""
+  co3_exchange.predicted_bits gives for those slots, overflow, extended and rejected steps, the
+  bits the slots' extensions and the raw resend add on the steps that send them, and the wire
+  bits a step sent on average over the run (at most: a step that took one slot's extension
+  counts them all)."""
   from loco_jax import comm
   from loco_jax.transforms import co3_exchange
   last = states[-1]
+  wire = comm.wire_bits_per_param(found, n_params)
+  extension = comm.wire_bits_per_param([c for c in found if comm.coded.is_extension(c)],
+                                       n_params, include_conditional=True)
+  # An overflow step also took the extension (its stream was longer than that too).
+  resend = comm.wire_bits_per_param(found, n_params, include_conditional=True) - wire - extension
   slot_bits = gradient_bits(found, n_params)
   per_shard = any(c.op == "all-to-all" for c in gradient_collectives(found))
   gathers = [c for c in found if c.op == "all-gather" and c.nbytes > _SCALAR_BYTES
@@ -311,10 +320,11 @@ def co3_record(states: Sequence[Any], found: Sequence[Any], n_params: int, devic
           "gather_bits_per_element": round(gather_bits, 4),
           "predicted_wire_bits": round(co3_exchange.predicted_bits(
               devices, slot_bits, gather_bits, per_shard), 4),
-          "wire_bits_with_overflow_path": round(comm.wire_bits_per_param(
-              found, n_params, include_conditional=True), 4),
+          "extension_wire_bits": round(extension, 4), "resend_wire_bits": round(resend, 4),
           "overflow_steps": int(last.overflows), "extended_steps": int(last.extended),
-          "rejected_steps": int(last.rejected), "steps": len(states)}
+          "rejected_steps": int(last.rejected), "steps": len(states),
+          "mean_wire_bits": round(wire + (int(last.extended) * extension + int(last.overflows)
+                                          * resend) / len(states), 4)}
 
 
 def per_device_bytes(tree: Any) -> int:
@@ -375,7 +385,7 @@ def run_method(name: str, compressor, config: DemoConfig, corpus: Corpus,
   batches = corpus.train_SxBxL
   start = time.perf_counter()
   lowered = step.jitted.lower(state, jnp.asarray(batches[0]))
-  found = comm.collectives(lowered.as_text(dialect="hlo"), config.devices)
+  found = comm.collectives(lowered.as_text(dialect="hlo", debug_info=True), config.devices)
   compiled = lowered.compile()
   compile_s = time.perf_counter() - start
   losses, times, co3_states = [], [], []
@@ -393,17 +403,19 @@ def run_method(name: str, compressor, config: DemoConfig, corpus: Corpus,
       progress.update(name, i + 1, losses[-1], times[-1])
   final = state.params if mode == "ddp" else parallel.unshard_params(state.params, params)
   tail = losses[-max(len(losses) // 10, 1):]
+  co3 = (co3_record(co3_states, found, n_params, config.devices, CO3_METHODS[name][1])
+         if co3_states else None)
   return MethodResult(
       method=name, final_loss=float(np.mean(tail)),
       eval_loss=evaluate(loss_fn, final, corpus.eval_KxBxL, mesh),
       gradient_bits_per_param=round(gradient_bits(found, n_params), 4),
-      wire_bits_per_param=round(comm.wire_bits_per_param(found, n_params), 4),
+      wire_bits_per_param=(co3["mean_wire_bits"] if co3 else
+                           round(comm.wire_bits_per_param(found, n_params), 4)),
       step_time_s=float(np.median(times[1:] if len(times) > 1 else times)),
       losses=losses, compile_s=compile_s,
       state_bytes_per_device=per_device_bytes(state.compressor_state),
       collectives=list(found),
-      co3=co3_record(co3_states, found, n_params, config.devices,
-                     CO3_METHODS[name][1]) if co3_states else None)
+      co3=co3)
 
 
 # --- Command line ---------------------------------------------------------------------------------

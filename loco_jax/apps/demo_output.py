@@ -83,7 +83,8 @@ def format_table(results: Sequence[MethodResult], unavailable: dict[str, str] | 
     lines.append(f"{method:<12} unavailable: {why}")
   lines.append("grad bits: the gradient collective's buffer (codes + scales) * 8 / params; wire "
                "bits: what each device sends per parameter and step, over every collective "
-               "(ring all-reduce 2(n-1)/n); both read from the step's lowered HLO.")
+               "(ring all-reduce 2(n-1)/n; co3: the mean over the steps, with the conditional "
+               "ones on the steps that ran them); both read from the step's lowered HLO.")
   return "\n".join(lines)
 
 

@@ -27,8 +27,9 @@ class Method(NamedTuple):
   their values after the last timed step (CO3's per-device `coded_bits`). conditional_count:
   the one of `counts` that counts the steps which ran the step's conditional collectives (CO3's
   raw resend after an overflow, which follows its slots' extension): each such step adds their
-  bytes to the prediction. (A CO3 step that took the extension alone, `extended`, sends more
-  than the prediction and less than that.)
+  bytes to the prediction. extension_count: the one that counts the steps which sent the
+  coded slots' extensions (`comm.coded.is_extension`; CO3's `extended`, a superset of its
+  overflow steps): each of the others adds the extensions' bytes alone.
   """
   help: str
   make: Callable[[], Any]
@@ -38,6 +39,7 @@ class Method(NamedTuple):
   counts: tuple[str, ...] = ()
   gauges: tuple[str, ...] = ()
   conditional_count: str | None = None
+  extension_count: str | None = None
 
 
 def _lib(module: str):
@@ -117,7 +119,7 @@ def _co3(help_text: str, fmt: str, gather: str = "bf16", **slots) -> Method:
   return Method(help_text, lambda: _lib("transforms.co3").co3(fmt, gamma=0.7, axis_name="data",
                                                                gather=gather, **slots),
                 counts=("overflows", "extended", "rejected"), gauges=("coded_bits",),
-                conditional_count="overflows")
+                conditional_count="overflows", extension_count="extended")
 
 
 METHODS: dict[str, Method] = {

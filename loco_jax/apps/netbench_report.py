@@ -45,6 +45,8 @@ def summarize(results: list[dict], hosts: int, rate: str, n_params: int, nodes: 
         "steps": rows[0]["steps"],
         "conditional_steps": max(r["conditional_steps"] for r in rows),
         "conditional_bits_per_param": rows[0]["conditional_bits_per_param"],
+        "extension_steps": max(r["extension_steps"] for r in rows),
+        "extension_bits_per_param": rows[0]["extension_bits_per_param"],
         "collectives": rows[0]["collectives"]}
     record["expected_bits_per_param"] = expected_bits(record)
     if rows[0].get("profile"):   # netbench_profile: seconds a step of each kind, per host
@@ -137,9 +139,14 @@ def format_training_table(records: list[dict]) -> list[str]:
 
 def expected_bits(record: dict) -> float:
   """Bits a parameter per step the compiled program sends over the timed steps: every step's
-  collectives, plus the conditional ones on the steps that ran them (CO3's raw resend)."""
-  share = record.get("conditional_steps", 0) / record.get("steps", 1)
-  return record["predicted_bits_per_param"] + share * record.get("conditional_bits_per_param", 0)
+  collectives, plus the conditional ones on the steps that ran them (CO3's raw resend, which
+  follows its slots' extensions; the extensions alone on the other steps that took them, all
+  of them where a step may have taken one: at most)."""
+  steps, resent = record.get("steps", 1), record.get("conditional_steps", 0)
+  extended_only = max(record.get("extension_steps", 0) - resent, 0)
+  return (record["predicted_bits_per_param"]
+          + resent / steps * record.get("conditional_bits_per_param", 0)
+          + extended_only / steps * record.get("extension_bits_per_param", 0))
 
 
 def _off(measured: list[float], predicted: float) -> float:
@@ -188,11 +195,11 @@ def check_training(records: list[dict]) -> list[str]:
 
 
 def _conditional_note(record: dict) -> str:
-  if not record.get("conditional_steps"):
+  ran = max(record.get("conditional_steps", 0), record.get("extension_steps", 0))
+  if not ran:
     return ""
   return (f" (of which {expected_bits(record) - record['predicted_bits_per_param']:.2f} from "
-          f"the conditional collectives, run on {record['conditional_steps']} of "
-          f"{record['steps']} timed steps)")
+          f"the conditional collectives, run on {ran} of {record['steps']} timed steps)")
 
 
 def link_setting(record: dict) -> str:

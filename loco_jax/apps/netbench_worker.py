@@ -306,6 +306,7 @@ def _measure(method: str, args, mesh, barrier, ones, uplinks: list[tuple[str, st
       "exchange": " + ".join(dict.fromkeys(c.op for c in found if not c.conditional)),
       "counts": counts, "gauges": _host_values(state, table.gauges), "profile": profiled,
       "conditional_steps": counts.get(table.conditional_count, 0),
+      "extension_steps": counts.get(table.extension_count, 0),
       "step_s": step_s, "cpu_s": cpu_s, "sent_bytes": sent,
       "collectives_s": collectives_s, "collectives_cpu_s": collectives_cpu_s,
       "measured_bits_per_param": 8 * sent / per_step,
@@ -315,6 +316,10 @@ def _measure(method: str, args, mesh, barrier, ones, uplinks: list[tuple[str, st
       "conditional_bits_per_param": (comm.wire_bits_per_param(found, args.params, True)
                                      - comm.wire_bits_per_param(found, args.params))
                                     * args.devices_per_host,
+      # Of those, the coded slots' extensions: all a step that took them alone sends more.
+      "extension_bits_per_param": comm.wire_bits_per_param(
+          [c for c in found if comm.coded.is_extension(c)], args.params, True)
+                                  * args.devices_per_host,
       "measured_inter_bits_per_node": [8 * b / per_step for b in uplinks_sent] or None,
       "predicted_inter_bits_per_node": None if inter is None else [8 * b / args.params
                                                                    for b in inter],

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from loco_jax.comm import wire
+from loco_jax.comm.hlo import Collective
 from loco_jax.comm.coded_host import (ByteCoder, fill_slots, host_call,  # noqa: F401
                                       needed_bits_per_byte, read_slots, slot_bytes, tampering)
 from loco_jax.core import leaves
@@ -87,13 +88,23 @@ def _decode(slots_NxC: jax.Array, lengths: jax.Array, own_B: jax.Array, me: jax.
   return leaves.vary_like(out, slots_NxC)
 
 
+# The named scope of the extensions' collectives, which `is_extension` finds in the HLO.
+EXTENSION_SCOPE = "coded_slot_extension"
+
+
+def is_extension(collective: Collective) -> bool:
+  """Whether a compiled step's collective sends slots' extensions (those steps' extra bytes)."""
+  return EXTENSION_SCOPE in collective.op_name.split("/")
+
+
 def _extensions(tails: jax.Array, received: jax.Array, extended: jax.Array,
                 send) -> jax.Array:
   """uint8 [n, extension]: `send(tails)` where `extended` (alike on every device), else zeros
   typed as `received` (the first collective's result, varying or not alike)."""
   zeros = lambda: leaves.vary_like(jnp.zeros((received.shape[0], tails.shape[1]), jnp.uint8),
                                    received)
-  return jax.lax.cond(extended, lambda: send(tails), zeros)
+  with jax.named_scope(EXTENSION_SCOPE):
+    return jax.lax.cond(extended, lambda: send(tails), zeros)
 
 
 def _arrived(lengths: jax.Array, capacity: int, extension: int,

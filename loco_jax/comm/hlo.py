@@ -25,7 +25,8 @@ class Collective(NamedTuple):
   mesh's flattened device array), `group_size` the size of the largest. A collective-permute
   has `pairs`, its (source, target) devices, and for groups the sets of devices they connect.
   `conditional` marks one inside a branch of a conditional (a rare path such as CO3's
-  overflow), which a step does not always run.
+  overflow), which a step does not always run. `op_name`: its metadata's, with the
+  `jax.named_scope`s it was made in.
   """
   op: str
   dtype: str
@@ -34,6 +35,7 @@ class Collective(NamedTuple):
   conditional: bool = False
   groups: Groups = ()
   pairs: tuple[tuple[int, int], ...] = ()
+  op_name: str = ""
 
   @property
   def sent_bytes(self) -> float:
@@ -75,6 +77,7 @@ _NAME = r"'([^']*)'|([\w.\-]+)"
 _MESH_AXIS = re.compile(r"(?:" + _NAME + r")=(\d+)$")
 _AXIS_REF = re.compile(r"(?:" + _NAME + r")(?::\((\d+)\)(\d+))?$")
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
+_OP_NAME = re.compile(r'metadata=\{[^}]*op_name="([^"]*)"')
 
 
 def _ints(text: str | None) -> list[int]:
@@ -177,8 +180,9 @@ def replica_groups(line: str, num_devices: int) -> tuple[Groups, tuple[tuple[int
 
 
 def collectives(hlo_text: str, num_devices: int) -> list[Collective]:
-  """Every collective in HLO text (`jax.jit(f).lower(...).as_text(dialect="hlo")`), with its
-  device groups (`replica_groups`: a ValueError for a line whose groups it cannot read)."""
+  """Every collective in HLO text (`jax.jit(f).lower(...).as_text(dialect="hlo",
+  debug_info=True)`; without debug_info there is no `op_name`), with its device groups
+  (`replica_groups`: a ValueError for a line whose groups it cannot read)."""
   lines = hlo_text.splitlines()
   branches = set()
   for line in lines:
@@ -200,15 +204,17 @@ def collectives(hlo_text: str, num_devices: int) -> list[Collective]:
     groups, pairs = replica_groups(line, num_devices)
     n = max(len(g) for g in groups)
     # The full buffer: what a gather returns, what a scatter takes (n times what it returns).
+    op_name = _OP_NAME.search(line)
     found.append(Collective(op, dtype, nbytes * n if op == "reduce-scatter" else nbytes, n,
-                            computation in branches, groups, pairs))
+                            computation in branches, groups, pairs,
+                            op_name.group(1) if op_name else ""))
   return found
 
 
 def lowered_collectives(fn, *args, num_devices: int | None = None) -> list[Collective]:
   """Lowers `fn` (jitted or not) on `args` and lists its collectives."""
   jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
-  text = jitted.lower(*args).as_text(dialect="hlo")
+  text = jitted.lower(*args).as_text(dialect="hlo", debug_info=True)  # with op_name
   return collectives(text, num_devices or jax.device_count())
 
 
