@@ -14,7 +14,8 @@
    the same per-stream capacity.
 
 Prints JSON: the quantiles of the per-step largest need, the share of steps that would overflow
-at the default capacity and at a few others, and the mean coded bits.
+at the default capacity (`default_capacity_bits`: the default slot with its extension) and at a
+few others, and the mean coded bits.
 """
 
 import argparse
