@@ -25,7 +25,7 @@ Example (inside jax.shard_map over "data", n devices):
 """
 
 import functools
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -44,7 +44,7 @@ class Received(NamedTuple):
   side: jax.Array         # float32 [n, S]
   missing: jax.Array      # int32 [2]: slots here that [overflowed, did not decode]; raw: zeros
   coded_bytes: jax.Array  # int32: bytes of the streams this device coded (raw: 0)
-  extended: Any = 0       # int32 0 or 1, alike on every device: the slots' extension was sent
+  extended: jax.Array     # int32 0 or 1, alike on every device: the slots' extension was sent
 
 
 def _as_bytes(x: jax.Array) -> jax.Array:
@@ -97,22 +97,18 @@ def is_extension(collective: Collective) -> bool:
   return EXTENSION_SCOPE in collective.op_name.split("/")
 
 
-def _extensions(tails: jax.Array, received: jax.Array, extended: jax.Array,
-                send) -> jax.Array:
-  """uint8 [n, extension]: `send(tails)` where `extended` (alike on every device), else zeros
-  typed as `received` (the first collective's result, varying or not alike)."""
-  zeros = lambda: leaves.vary_like(jnp.zeros((received.shape[0], tails.shape[1]), jnp.uint8),
-                                   received)
+def _extend(got_NxC: jax.Array, got_lengths: jax.Array, tails_MxE: jax.Array,
+            extended: jax.Array, send) -> tuple[jax.Array, jax.Array]:
+  """The received slots with their extensions appended (`send(tails)` where `extended`, alike
+  on every device, else zeros), and the received lengths, where one longer than the bytes that
+  arrived reads as overflowed (only a peer outside the agreement sends one)."""
+  capacity, extension = got_NxC.shape[1], tails_MxE.shape[1]
+  zeros = lambda: leaves.vary_like(jnp.zeros((got_NxC.shape[0], extension), jnp.uint8), got_NxC)
   with jax.named_scope(EXTENSION_SCOPE):
-    return jax.lax.cond(extended, lambda: send(tails), zeros)
-
-
-def _arrived(lengths: jax.Array, capacity: int, extension: int,
-             extended: jax.Array) -> jax.Array:
-  """The received lengths, where one longer than the bytes that arrived for its slot reads as
-  overflowed (only a peer that did not take part in the agreement sends one)."""
+    got_tails = jax.lax.cond(extended, lambda: send(tails_MxE), zeros)
   arrived = jnp.where(extended, capacity + extension, capacity)
-  return jnp.where(lengths > arrived, capacity + extension + 1, lengths)
+  return (jnp.concatenate([got_NxC, got_tails], axis=1),
+          jnp.where(got_lengths > arrived, capacity + extension + 1, got_lengths))
 
 
 def all_to_all(rows_NxB: jax.Array, side_NxS: jax.Array, capacity: int, coder: ByteCoder,
@@ -143,10 +139,8 @@ def all_to_all(rows_NxB: jax.Array, side_NxS: jax.Array, capacity: int, coder: B
   extended = jnp.bool_(False)
   if extension:
     extended = jax.lax.pmax(jnp.max(lengths), axis_name) > capacity
-    got_slots = jnp.concatenate(
-        [got_slots, _extensions(slots[:, capacity:], received, extended,
-                                lambda tails: wire.all_to_all(tails, axis_name))], axis=1)
-    got_lengths = _arrived(got_lengths, capacity, extension, extended)
+    got_slots, got_lengths = _extend(got_slots, got_lengths, slots[:, capacity:], extended,
+                                     lambda tails: wire.all_to_all(tails, axis_name))
   own = jax.lax.dynamic_index_in_dim(rows_NxB, me, keepdims=False)
   rows, missing = _decode(got_slots, got_lengths, own, me, coder)
   return Received(rows, _from_bytes(received[:, at[2]:], jnp.float32), missing,
@@ -169,10 +163,8 @@ def all_gather(row_B: jax.Array, side_S: jax.Array, capacity: int, coder: ByteCo
   extended = jnp.bool_(False)
   if extension:
     extended = jnp.max(got_lengths) > capacity
-    got_slots = jnp.concatenate(
-        [got_slots, _extensions(slot[:, capacity:], gathered, extended,
-                                lambda tail: wire.all_gather(tail, axis_name))], axis=1)
-    got_lengths = _arrived(got_lengths, capacity, extension, extended)
+    got_slots, got_lengths = _extend(got_slots, got_lengths, slot[:, capacity:], extended,
+                                     lambda tail: wire.all_gather(tail, axis_name))
   rows, missing = _decode(got_slots, got_lengths, row_B, me, coder)
   return Received(rows, _from_bytes(gathered[:, at[2]:], jnp.float32), missing, length[0],
                   extended.astype(jnp.int32))
@@ -183,7 +175,7 @@ def raw_all_to_all(rows_NxB: jax.Array, side_NxS: jax.Array, axis_name: AxisName
   buffer, at = _frame(rows_NxB, _as_bytes(side_NxS))
   received = wire.all_to_all(buffer, axis_name)
   return Received(received[:, :at[1]], _from_bytes(received[:, at[1]:], jnp.float32),
-                  jnp.zeros(2, jnp.int32), jnp.int32(0))
+                  jnp.zeros(2, jnp.int32), jnp.int32(0), jnp.int32(0))
 
 
 def raw_all_gather(row_B: jax.Array, side_S: jax.Array, axis_name: AxisName) -> Received:
@@ -191,4 +183,4 @@ def raw_all_gather(row_B: jax.Array, side_S: jax.Array, axis_name: AxisName) -> 
   buffer, at = _frame(row_B[None], _as_bytes(side_S[None]))
   gathered = wire.all_gather(buffer, axis_name)
   return Received(gathered[:, :at[1]], _from_bytes(gathered[:, at[1]:], jnp.float32),
-                  jnp.zeros(2, jnp.int32), jnp.int32(0))
+                  jnp.zeros(2, jnp.int32), jnp.int32(0), jnp.int32(0))

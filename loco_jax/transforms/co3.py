@@ -196,16 +196,15 @@ def _counters(settings: Co3Settings, grads: leaves.Leaves, mapped: leaves.Mapped
   (`GroupState`)."""
   taken, rejected = jnp.isfinite(mapped.flags), mapped.flags == jnp.inf
   groups = list(mapped.states.values())
-  happened = {}
-  for name in ("overflowed", "extended"):
-    count = sum(getattr(s, name).astype(jnp.float32) for s in groups)
-    if settings.axis_name is not None:  # every shard, like every device, counts it alike
-      count = grads.agree(count)
-    happened[name] = (taken & (count > 0)).astype(jnp.int32)
+  counts = jnp.stack([sum(s.overflowed for s in groups),
+                      sum(s.extended for s in groups)]).astype(jnp.float32)
+  if settings.axis_name is not None:  # every shard, like every device, counts them alike
+    counts = grads.agree(counts)
+  overflowed, extended = (taken & (counts > 0)).astype(jnp.int32)
   bits = (8.0 * sum(s.coded_bytes for s in groups) / max(sum(s.symbols for s in groups), 1)
           if settings.entropy_code else settings.fmt.bits)
   return (jnp.where(taken, bits, state.coded_bits).reshape(1).astype(jnp.float32),
-          state.overflows + happened["overflowed"], state.extended + happened["extended"],
+          state.overflows + overflowed, state.extended + extended,
           state.rejected + rejected.astype(jnp.int32))
 
 

@@ -235,7 +235,7 @@ def _whole(settings: Co3Settings, layouts: list, rows_1xB: jax.Array, scales: ja
     flag = jax.lax.psum(flag, settings.axis_name)
   return Exchanged([quant.mean_over_peers(v)[:lay.size] for v, lay in zip(values, layouts)],
                    flag, (got.missing[0] > 0).astype(jnp.float32), got.coded_bytes,
-                   jnp.asarray(got.extended, jnp.int32))
+                   got.extended)
 
 
 def _bf16_gather(settings: Co3Settings, got: coded.Received, layouts: list,
@@ -297,8 +297,7 @@ def _per_shard(settings: Co3Settings, layouts: list, rows_NxB: jax.Array, scales
     flag = jax.lax.psum(flag + _corrupt(gathered.missing), settings.axis_name)
   return Exchanged([layout.from_rows(v, lay) for v, lay in zip(values, layouts)], flag,
                    overflowed.astype(jnp.float32), got.coded_bytes + gathered.coded_bytes,
-                   jnp.maximum(jnp.asarray(got.extended, jnp.int32),
-                               jnp.asarray(gathered.extended, jnp.int32)))
+                   jnp.maximum(got.extended, gathered.extended))
 
 
 def exchange(settings: Co3Settings, symbols: list, scales: jax.Array,

@@ -83,6 +83,10 @@ def _sum_entropy(n: int, beta: float) -> float:
   return float(-(total * np.log2(total)).sum())
 
 
+def _sum_capacity(n: int, betas) -> float:
+  return min(max(_sum_entropy(n, b) for b in betas) + CAPACITY_MARGIN_BITS, 8.0)
+
+
 @functools.lru_cache(maxsize=None)
 def default_sum_capacity_bits(n: int) -> float:
   """Bits an element that a coded slot of the exact sums of n devices' fp4 levels holds with
@@ -92,7 +96,7 @@ def default_sum_capacity_bits(n: int) -> float:
   Independent symbols are the widest sum for given marginals, as far as gradients go: the
   devices' gradients share their signal, which narrows the sum towards n times one symbol.
   """
-  return min(max(_sum_entropy(n, b) for b in BETAS) + CAPACITY_MARGIN_BITS, 8.0)
+  return _sum_capacity(n, BETAS)
 
 
 @functools.lru_cache(maxsize=None)
@@ -100,7 +104,7 @@ def usual_sum_capacity_bits(n: int) -> float:
   """Bits an element that a coded slot of the sums always sends: as
   `default_sum_capacity_bits`, over the shapes in USUAL_BETAS (4 devices: 4.19 against
   5.51)."""
-  return min(max(_sum_entropy(n, b) for b in USUAL_BETAS) + CAPACITY_MARGIN_BITS, 8.0)
+  return _sum_capacity(n, USUAL_BETAS)
 
 
 def absmax_scale(fmt: fp.FloatFormat, absmax, fallback):
