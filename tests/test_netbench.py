@@ -75,8 +75,8 @@ def test_two_hosts_on_a_slow_link_send_what_the_compiled_program_says(tmp_path):
     assert (r["hosts"], r["rate"], r["n_params"]) == (2, "20mbit", 2**18)
     assert r["step_s"] > 0 and r["host_malloc"] == netbench.HOST_MALLOC
     assert r["host_cpus"] == [sorted(os.sched_getaffinity(0))] * 2  # unpinned: every core
-    for bits in r["measured_bits_per_host"]:
-      assert abs(bits / r["predicted_bits_per_param"] - 1) <= 0.03, (r["method"], bits, r)
+    for bits in r["payload_bits_per_host"]:
+      assert abs(bits / r["predicted_bits_per_param"] - 1) <= 0.02, (r["method"], bits, r)
   fp32 = records["fp32"]["measured_bits_per_param"]
   # The ring all-reduce's 2 (n-1)/n x 32; LoCo (n-1)/n x (4 + 16) with its bf16 gather (as
   # uint16: XLA:CPU would widen bf16 to 32 bits) and (n-1)/n x (4 + 4) with the quantized one.
@@ -197,23 +197,52 @@ def test_burst_is_milliseconds_of_the_rate_and_fits_a_gso_packet():
   assert netns.burst_bytes("20mbit") == netns.MIN_BURST_BYTES >= 65536
 
 
-def _record(method, measured, predicted, step_s=1.0, rate="1mbit", n_params=1000):
+def _counts(payload_bits: float, n_params: int = 1000, header_bytes: int = 66, packets=10,
+            retransmitted_bytes: int = 0) -> dict:
+  """A host's raw counts (sent.Sent) for `payload_bits` a parameter of TCP payload."""
+  payload = round(payload_bits * n_params / 8)
+  return {"interface_bytes": payload + header_bytes * packets + retransmitted_bytes,
+          "packets": packets, "payload_bytes": payload,
+          "retransmitted_bytes": retransmitted_bytes}
+
+
+def _record(method, payload, predicted, step_s=1.0, rate="1mbit", n_params=1000, **counts):
+  sent = [_counts(bits, n_params, **counts) for bits in payload]
+  measured = [8 * s["interface_bytes"] / n_params for s in sent]
   return {"method": method, "hosts": 2, "rate": rate, "n_params": n_params, "step_s": step_s,
           "measured_bits_per_host": measured, "measured_bits_per_param": sum(measured) / 2,
-          "predicted_bits_per_param": predicted, "finite": True}
+          "payload_bits_per_host": payload, "payload_bits_per_param": sum(payload) / 2,
+          "sent_per_host": sent, "predicted_bits_per_param": predicted, "finite": True}
 
 
-def test_check_flags_bytes_off_the_prediction_and_a_slow_all_reduce():
-  # 1000 params x 32 bits in 40 ms at 1 Mb/s: 80% of the rate.
+def test_check_flags_payload_off_the_prediction_and_a_slow_all_reduce():
+  # 1000 params x 32 bits in 40 ms at 1 Mb/s: about 80% of the rate (the headers are counted).
   ok = _record("loco", [10.1, 10.05], 10.0)
   off = _record("bf16", [16.0, 16.5], 16.0)
-  slow = _record("fp32", [32.0, 32.0], 32.0, step_s=0.04)
+  slow = _record("fp32", [32.0, 32.0], 32.0, step_s=0.04, packets=1)
   assert netbench_report.check([ok], 0.9) == []
   failures = netbench_report.check([ok, off, slow], 0.9)
   assert len(failures) == 2
   assert "bf16" in failures[0] and "3.1%" in failures[0]
-  assert "calibration" in failures[1] and "80%" in failures[1]
+  assert "calibration" in failures[1] and "81%" in failures[1]
   assert netbench_report.check([slow], 0.75) == []
+
+
+def test_headers_and_retransmissions_on_the_interface_are_not_the_programs_bytes():
+  # What failed CI once: the interface counted 3.6% over the prediction at 512K parameters
+  # (more packets, each with its headers, and resends after drops) while the payload was the
+  # program's. The check holds the payload to 2% and the rest to what headers and resends are.
+  busy = _record("co3", [4.76, 4.77], 4.75, n_params=2**19, packets=1500,
+                 retransmitted_bytes=9000)
+  assert min(busy["measured_bits_per_host"]) > 4.75 * 1.036
+  assert netbench_report.check([busy], 0.0) == []
+  # An interface that sent more than payload, headers and resends can be (a connection the
+  # counts missed), or less than the payload (a counter that went back), fails, naming the host.
+  for extra in (200 * 1500, -100 * 1500):
+    bad = _record("co3", [4.76, 4.77], 4.75, n_params=2**19, packets=1500)
+    bad["sent_per_host"][1]["interface_bytes"] += extra
+    (failure,) = netbench_report.check([bad], 0.0)
+    assert failure.startswith("co3 at 1mbit: host 1: the interface sent"), failure
 
 
 def test_refuses_to_remove_namespaces_that_are_not_its_own():
@@ -222,10 +251,12 @@ def test_refuses_to_remove_namespaces_that_are_not_its_own():
 
 
 def _train_row(method, host, step_s, eval_loss=2.0, bits=10.0, predicted=10.0):
+  sent = _counts(bits, 1_000_000)
   return {"kind": "train", "method": method, "host": host, "step_s": step_s,
           "final_loss": eval_loss, "eval_loss": eval_loss, "n_params": 1_000_000,
-          "tokens_per_step": 512, "measured_bits_per_param": bits, "collectives_s": 0.01,
-          "predicted_bits_per_param": predicted}
+          "tokens_per_step": 512, "collectives_s": 0.01, "sent": sent,
+          "measured_bits_per_param": 8 * sent["interface_bytes"] / 1_000_000,
+          "payload_bits_per_param": bits, "predicted_bits_per_param": predicted}
 
 
 def test_training_rows_split_the_step_and_carry_the_cost_model():
@@ -337,8 +368,8 @@ def test_co3_on_three_hosts_sends_its_slots_and_records_its_exchange_and_counts(
     assert r["counts"] == {"overflows": 0, "extended": 0, "rejected": 0}
     assert r["conditional_steps"] == r["extension_steps"] == 0
     # The slots are sent whole: every host's bytes are the compiled program's prediction.
-    for bits in r["measured_bits_per_host"]:
-      assert abs(bits / r["predicted_bits_per_param"] - 1) <= 0.03, (method, bits, r)
+    for bits in r["payload_bits_per_host"]:
+      assert abs(bits / r["predicted_bits_per_param"] - 1) <= 0.02, (method, bits, r)
     coded = r["gauges_per_device"]["coded_bits"]
     assert len(coded) == 3 and all(1.0 < b < 4.0 for b in coded), coded
     cores = sorted(os.sched_getaffinity(0))  # --pin-cores: host i on core i % cores
@@ -453,6 +484,14 @@ ENTRY %main {
       "fusion.4": "apps/netbench_worker.py:12"}   # no library frame: the innermost one
 
 
+def _sent_alone(record: dict, field: str, scale: float = 1.0) -> dict:
+  """`record` of one host measured in process (nothing on a wire) as if it had sent its
+  `field` bits a parameter x `scale` a step, headers and all."""
+  bits = record[field] * scale
+  counts = _counts(bits * record["steps"], record["n_params"])
+  return {**record, "payload_bits_per_host": [bits], "sent_per_host": [counts]}
+
+
 def test_overflow_steps_add_the_raw_resend_to_the_prediction(monkeypatch):
   # Slots of 1 bit a symbol: every step's streams overflow and the exchange runs again raw.
   from loco_jax.transforms import co3
@@ -467,12 +506,10 @@ def test_overflow_steps_add_the_raw_resend_to_the_prediction(monkeypatch):
   (record,) = netbench_report.summarize([r], 1, "1gbit", 4096)
   assert record["expected_bits_per_param"] == pytest.approx(
       record["predicted_bits_per_param"] + record["conditional_bits_per_param"])
-  # Bytes that match the every-step prediction alone fail, and the failure says why.
-  record["measured_bits_per_host"] = [record["predicted_bits_per_param"]]
-  (failure,) = netbench_report.check([record], 0.0)
+  # A payload that matches the every-step prediction alone fails, and the failure says why.
+  (failure,) = netbench_report.check([_sent_alone(record, "predicted_bits_per_param")], 0.0)
   assert "co3-tight" in failure and "conditional collectives, run on 3 of 3" in failure
-  record["measured_bits_per_host"] = [record["expected_bits_per_param"] * 1.005]
-  assert netbench_report.check([record], 0.0) == []
+  assert netbench_report.check([_sent_alone(record, "expected_bits_per_param", 1.005)], 0.0) == []
   assert "3 of 3" in netbench_report.format_state_table([record])[2]
 
 
@@ -489,7 +526,7 @@ def test_extended_steps_add_the_slots_extensions_alone_to_the_prediction(monkeyp
   assert record["expected_bits_per_param"] == pytest.approx(
       record["predicted_bits_per_param"] + record["extension_bits_per_param"])
   assert "conditional collectives, run on 3 of 3" in netbench_report.check(
-      [{**record, "measured_bits_per_host": [record["predicted_bits_per_param"]]}], 0.0)[0]
+      [_sent_alone(record, "predicted_bits_per_param")], 0.0)[0]
 
 
 def test_profile_table_lists_each_profiled_methods_costliest_instructions():

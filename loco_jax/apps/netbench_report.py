@@ -4,15 +4,16 @@ step, the bits on the wire against the compiled program's, tables, checks and th
 import math
 import statistics
 
-from loco_jax.apps import netbench_profile, netns
+from loco_jax.apps import netbench_profile, netns, sent
 
-BITS_TOLERANCE = 0.02         # measured within 2% of the compiled program's prediction
+BITS_TOLERANCE = 0.02         # the payload within 2% of the compiled program's prediction
 
 
 def summarize(results: list[dict], hosts: int, rate: str, n_params: int, nodes: int = 1,
               inter_rate: str | None = None) -> list[dict]:
-  """One record per method: the slowest host's median step, the mean bits the hosts sent and,
-  on two levels, the bits every node sent the others (read by host 0 on the uplinks)."""
+  """One record per method: the slowest host's median step, the mean bits the hosts sent (on
+  the interface, and the TCP payload among them) and, on two levels, the bits every node sent
+  the others (read by host 0 on the uplinks)."""
   records = []
   results = [r for r in results if r.get("kind", "result") == "result"]
   for method in dict.fromkeys(r["method"] for r in results):
@@ -29,6 +30,7 @@ def summarize(results: list[dict], hosts: int, rate: str, n_params: int, nodes: 
         "host_work_s": max(r["cpu_s"] - r["collectives_cpu_s"] for r in rows),
         "measured_bits_per_param": statistics.mean(r["measured_bits_per_param"] for r in rows),
         "measured_bits_per_host": [r["measured_bits_per_param"] for r in rows],
+        **_payload(rows),
         "predicted_bits_per_param": predicted,
         "predicted_wire_s": predicted * n_params / netns.rate_bits(rate),
         "finite": all(r["finite"] for r in rows),
@@ -57,6 +59,13 @@ def summarize(results: list[dict], hosts: int, rate: str, n_params: int, nodes: 
       record.update(_inter_node(rows[0], n_params, nodes, inter_rate, record["predicted_wire_s"]))
     records.append(record)
   return records
+
+
+def _payload(rows: list[dict]) -> dict:
+  """The hosts' TCP payload (bits a parameter, and its mean) and their raw counts."""
+  return {"payload_bits_per_param": statistics.mean(r["payload_bits_per_param"] for r in rows),
+          "payload_bits_per_host": [r["payload_bits_per_param"] for r in rows],
+          "sent_per_host": [r["sent"] for r in rows]}
 
 
 def _inter_node(host0: dict, n_params: int, nodes: int, inter_rate: str,
@@ -109,6 +118,7 @@ def summarize_training(results: list[dict], hosts: int, rate: str) -> list[dict]
         "collectives_s": max(r["collectives_s"] for r in mine),
         "measured_bits_per_param": statistics.mean(r["measured_bits_per_param"] for r in mine),
         "measured_bits_per_host": [r["measured_bits_per_param"] for r in mine],
+        **_payload(mine),
         "predicted_bits_per_param": first["predicted_bits_per_param"],
         "predicted_step_s": compute_s + first["predicted_bits_per_param"] * n / bits_per_s,
         "overlapped_collectives": first.get("overlapped_collectives", 0)}
@@ -122,7 +132,7 @@ def summarize_training(results: list[dict], hosts: int, rate: str) -> list[dict]
 def format_training_table(records: list[dict]) -> list[str]:
   lines = ["| method | hosts | rate | params | step ms | compute ms | exchange ms (share) | "
            "collectives ms | tokens/s | eval loss | predicted ms | cost model ms | "
-           "bits/param sent (pred.) | overlapped |",
+           "bits/param sent, payload (pred.) | overlapped |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in records:
     cost = f"{r['cost_model_step_s'] * 1e3:.1f}" if "cost_model_step_s" in r else "-"
@@ -132,8 +142,8 @@ def format_training_table(records: list[dict]) -> list[str]:
         f"({r['exchange_s'] / r['step_s']:.0%}) | {r['collectives_s'] * 1e3:.1f} | "
         f"{r['tokens_per_s']:.0f} | "
         f"{r['eval_loss']:.4f} | {r['predicted_step_s'] * 1e3:.1f} | {cost} | "
-        f"{r['measured_bits_per_param']:.2f} ({r['predicted_bits_per_param']:.2f}) | "
-        f"{r['overlapped_collectives']} |")
+        f"{r['measured_bits_per_param']:.2f}, {r['payload_bits_per_param']:.2f} "
+        f"({r['predicted_bits_per_param']:.2f}) | {r['overlapped_collectives']} |")
   return lines
 
 
@@ -153,18 +163,28 @@ def _off(measured: list[float], predicted: float) -> float:
   return max(abs(b / predicted - 1) for b in measured)
 
 
+def _unexplained(record: dict, where: str) -> list[str]:
+  """A failure per host whose interface sent more (or less) than its TCP payload, headers and
+  retransmissions explain."""
+  return [f"{where}: host {k}: {why}" for k, counts in enumerate(record["sent_per_host"])
+          if (why := sent.Sent(**counts).unexplained())]
+
+
 def check(records: list[dict], min_rate_fraction: float) -> list[str]:
-  """The failures: bits off the prediction by more than 2% (every host's; on two levels every
-  node's to the others), a NaN output, an fp32 all-reduce under `min_rate_fraction` of the
-  nominal rate (of the inter-node links on two levels: the shaper's calibration)."""
+  """The failures: a host's payload off the prediction by more than 2%, or its interface's
+  bytes not explained by the payload, headers and retransmissions; on two levels a node's bits
+  to the others off by more than 2%; a NaN output; an fp32 all-reduce under
+  `min_rate_fraction` of the nominal rate (of the inter-node links on two levels: the
+  shaper's calibration)."""
   failures = []
   for r in records:
     where = f"{r['method']} at {link_setting(r)}"
     expected = expected_bits(r)
-    worst = _off(r["measured_bits_per_host"], expected)
+    worst = _off(r["payload_bits_per_host"], expected)
     if worst > BITS_TOLERANCE:
-      failures.append(f"{where}: a host sent {worst:.1%} off the predicted "
+      failures.append(f"{where}: a host's payload was {worst:.1%} off the predicted "
                       f"{expected:.2f} bits/param{_conditional_note(r)}")
+    failures += _unexplained(r, where)
     for k, (got, want) in enumerate(zip(r.get("measured_inter_bits_per_node") or [],
                                         r.get("predicted_inter_bits_per_node") or [])):
       if want > 0 and abs(got / want - 1) > BITS_TOLERANCE:
@@ -180,15 +200,18 @@ def check(records: list[dict], min_rate_fraction: float) -> list[str]:
 
 
 def check_training(records: list[dict]) -> list[str]:
-  """Training failures: a host's bytes off the compiled program's by more than 2% (the
-  compute step sends almost nothing and is left out), a non-finite eval loss."""
+  """Training failures: a host's payload off the compiled program's by more than 2% or its
+  interface's bytes unexplained (the compute step sends almost nothing and is left out), a
+  non-finite eval loss."""
   failures = []
   for r in records:
     if r["method"] != "compute":
-      worst = _off(r["measured_bits_per_host"], r["predicted_bits_per_param"])
+      where = f"training {r['method']} at {r['rate']}"
+      worst = _off(r["payload_bits_per_host"], r["predicted_bits_per_param"])
       if worst > BITS_TOLERANCE:
-        failures.append(f"training {r['method']} at {r['rate']}: a host sent {worst:.1%} off "
-                        f"the predicted {r['predicted_bits_per_param']:.2f} bits/param")
+        failures.append(f"{where}: a host's payload was {worst:.1%} off the predicted "
+                        f"{r['predicted_bits_per_param']:.2f} bits/param")
+      failures += _unexplained(r, where)
     if not math.isfinite(r["eval_loss"]):
       failures.append(f"training {r['method']} at {r['rate']}: eval loss {r['eval_loss']}")
   return failures
@@ -221,18 +244,19 @@ def rate_fraction(record: dict) -> float:
 
 def format_table(records: list[dict]) -> list[str]:
   lines = ["| method | hosts | rate | params | step ms | cpu ms | host work ns/param | "
-           "collectives ms | wire ms (pred.) | % of rate | bits/param sent | predicted | diff |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "collectives ms | wire ms (pred.) | % of rate | bits/param sent | payload | "
+           "predicted | diff |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in records:
     expected = expected_bits(r)
-    diff = r["measured_bits_per_param"] / expected - 1
+    diff = r["payload_bits_per_param"] / expected - 1
     lines.append(
         f"| {r['method']} | {r['hosts']} | {r['rate']} | {r['n_params']} | "
         f"{r['step_s'] * 1e3:.1f} | {r['cpu_s'] * 1e3:.1f} | "
         f"{r['host_work_s'] * 1e9 / r['n_params']:.1f} | {r['collectives_s'] * 1e3:.1f} | "
         f"{r['predicted_wire_s'] * 1e3:.1f} | "
         f"{rate_fraction(r):.0%} | {r['measured_bits_per_param']:.3f} | "
-        f"{expected:.3f} | {diff:+.2%} |")
+        f"{r['payload_bits_per_param']:.3f} | {expected:.3f} | {diff:+.2%} |")
   return lines
 
 

@@ -15,6 +15,7 @@ import tempfile
 import time
 
 from loco_jax.apps import netbench_methods, netbench_profile, netns
+from loco_jax.apps import sent as counters
 
 # A task whose heartbeats stop this long fails the job: 30 s failed a run on busy cores
 # (docs/NETWORK.md). A host that dies is seen at once by netbench (its exit), one that hangs by
@@ -61,11 +62,6 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--seq-len", type=int, default=64)
   p.add_argument("--param-gather", choices=PARAM_GATHERS, default="float32")
   return p
-
-
-def _tx_bytes(interface: str) -> int:
-  with open(f"/sys/class/net/{interface}/statistics/tx_bytes") as f:
-    return int(f.read())
 
 
 def train_config(args, devices: int):
@@ -156,15 +152,15 @@ def _train(method: str, config, corpus, mesh, interface: str, jax, jnp, P,
   found = comm.collectives_per_step(compiled_text, jax.device_count())
   n_params = num_params(params)
   times, warm = [], 2
-  tx0 = None
+  start = None
   for i, batch in enumerate(batches):
     if i == warm:
-      tx0 = _tx_bytes(interface)
+      start = counters.read(interface)
     t0 = time.perf_counter()
     state, loss = step(state, batch)
     loss = float(np.asarray(loss.addressable_data(0)))
     times.append(time.perf_counter() - t0)
-  sent = _tx_bytes(interface) - tx0
+  sent = counters.read(interface).since(start)
   timed = len(batches) - warm
   replay = netbench_methods.collectives_replay(found, mesh)
   ones = _ones(mesh, jax)
@@ -182,7 +178,9 @@ def _train(method: str, config, corpus, mesh, interface: str, jax, jnp, P,
           "collectives_s": collectives_s,
           "eval_loss": eval_loss, "n_params": n_params,
           "tokens_per_step": int(corpus.train_SxBxL.shape[1] * config.seq_len),
-          "measured_bits_per_param": 8 * sent / (timed * n_params),
+          "sent": sent._asdict(),
+          "measured_bits_per_param": 8 * sent.interface_bytes / (timed * n_params),
+          "payload_bits_per_param": 8 * sent.payload_bytes / (timed * n_params),
           "predicted_bits_per_param": comm.wire_bits_per_param(found, n_params),
           # Async collectives with compute scheduled between start and done (overlap).
           "overlapped_collectives": sum(comm.async_collectives(compiled_text).values())}
@@ -250,9 +248,10 @@ def _host_values(state, names: tuple[str, ...]) -> dict[str, list[float]]:
 
 def _measure(method: str, args, mesh, barrier, ones, uplinks: list[tuple[str, str]]) -> dict:
   """This host's record of `method`'s exchange on `mesh`: its median step and CPU time, the
-  bytes it sent (and, with `uplinks`, every node's bytes to the others) over the timed steps,
-  the compiled program's prediction of both, the step's collectives alone, and the method's
-  state counts over the timed steps and gauges after them."""
+  bytes it sent (its interface's, and the TCP payload among them; with `uplinks`, every
+  node's bytes to the others) over the timed steps, the compiled program's prediction of
+  both, the step's collectives alone, and the method's state counts over the timed steps and
+  gauges after them."""
   import jax
   import numpy as np
   from jax.sharding import NamedSharding
@@ -280,10 +279,10 @@ def _measure(method: str, args, mesh, barrier, ones, uplinks: list[tuple[str, st
   jax.block_until_ready(barrier(ones))   # ... and the uplinks' counters are read
   table = netbench_methods.METHODS[method]
   counts0 = _host_values(state, table.counts)
-  tx0 = _tx_bytes(args.interface)
+  start = counters.read(args.interface)
   step_s, cpu_s = _median_times(run_step, steps=args.steps, jax=jax)
   jax.block_until_ready(barrier(ones))  # the peers have received all this host sent
-  sent = _tx_bytes(args.interface) - tx0
+  sent = counters.read(args.interface).since(start)
   uplinks_sent = [b - a for a, b in zip(uplinks0, _uplinks_sent(uplinks))]
   counts = {name: int(sum(after) - sum(before)) for (name, before), after in
             zip(counts0.items(), _host_values(state, table.counts).values())}
@@ -307,9 +306,10 @@ def _measure(method: str, args, mesh, barrier, ones, uplinks: list[tuple[str, st
       "counts": counts, "gauges": _host_values(state, table.gauges), "profile": profiled,
       "conditional_steps": counts.get(table.conditional_count, 0),
       "extension_steps": counts.get(table.extension_count, 0),
-      "step_s": step_s, "cpu_s": cpu_s, "sent_bytes": sent,
+      "step_s": step_s, "cpu_s": cpu_s, "sent": sent._asdict(),
       "collectives_s": collectives_s, "collectives_cpu_s": collectives_cpu_s,
-      "measured_bits_per_param": 8 * sent / per_step,
+      "measured_bits_per_param": 8 * sent.interface_bytes / per_step,
+      "payload_bits_per_param": 8 * sent.payload_bytes / per_step,
       "predicted_bits_per_param": comm.wire_bits_per_param(found, args.params)
                                   * args.devices_per_host,
       # A step that runs the conditional collectives (table.conditional_count) sends this more.

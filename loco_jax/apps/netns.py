@@ -8,7 +8,7 @@ one uplink of `inter_rate`, whose interface counters are the bytes between nodes
 Every name this module creates starts with PREFIX and carries the creating process's pid
 ("lj-<pid>-h0", "lj-<pid>-br", "lj-<pid>-n0", "lj-<pid>-core"), so a set whose creator died is
 recognised and removed before the next run, and two runs never touch each other's hosts.
-Needs root and iproute2 (`ip`, `tc`).
+Needs root and iproute2 (`ip`, `tc`; netbench's hosts read their connections with `ss`).
 """
 
 import json
@@ -71,11 +71,12 @@ def check_topology(hosts: int, nodes: int = 1, delay: str | None = None,
 
 
 def missing_requirements() -> list[str]:
-  """What netbench lacks here to build hosts: root, `ip`, `tc` (empty when all is present)."""
+  """What netbench lacks here to build and read hosts: root, `ip`, `tc`, `ss` (empty when all
+  is present)."""
   missing = []
   if os.geteuid() != 0:
     missing.append("root (network namespaces and tc need it; run as root)")
-  for tool in ("ip", "tc"):
+  for tool in ("ip", "tc", "ss"):
     if shutil.which(tool) is None:
       missing.append(f"the `{tool}` command (iproute2)")
   return missing
