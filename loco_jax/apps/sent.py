@@ -51,14 +51,12 @@ def tcp_counts(ss_output: str, pid: int) -> tuple[int, int, int]:
   of process `pid` that `ss -tinpH` lists whose peer is another address (a connection to
   itself stays off the link).
 
-    >>> print(_SS_EXAMPLE)
-    ESTAB 0 52 10.213.0.1:46367 10.213.0.2:37666 users:(("python",pid=7,fd=9))
-         bbr mss:1448 bytes_sent:79887 bytes_retrans:1448 bytes_acked:78387 unacked:1
-    ESTAB 0 0 10.213.0.1:12355 10.213.0.1:50972 users:(("python",pid=7,fd=5))
-         bbr mss:32768 bytes_sent:1764 bytes_acked:1764
-    ESTAB 0 0 10.213.0.1:22 10.213.0.3:50972 users:(("sshd",pid=70,fd=3))
-         cubic mss:1448 bytes_sent:5000 bytes_acked:5000
-    >>> tcp_counts(_SS_EXAMPLE, pid=7)
+    >>> tcp_counts('''ESTAB 0 52 10.213.0.1:46367 10.213.0.2:37666 users:(("python",pid=7,fd=9))
+    ...      bbr bytes_sent:79887 bytes_retrans:1448 bytes_acked:78387 unacked:1
+    ... ESTAB 0 0 10.213.0.1:12355 10.213.0.1:50972 users:(("python",pid=7,fd=5))
+    ...      bbr bytes_sent:1764 bytes_acked:1764
+    ... ESTAB 0 0 10.213.0.1:22 10.213.0.3:50972 users:(("sshd",pid=70,fd=3))
+    ...      cubic bytes_sent:5000 bytes_acked:5000''', pid=7)
     (78387, 1448, 52)
   """
   acked = retransmitted = queued = 0
@@ -75,15 +73,6 @@ def tcp_counts(ss_output: str, pid: int) -> tuple[int, int, int]:
       retransmitted += counts["bytes_retrans"]
       queued += int(fields[2])
   return acked, retransmitted, queued
-
-
-_SS_EXAMPLE = """\
-ESTAB 0 52 10.213.0.1:46367 10.213.0.2:37666 users:(("python",pid=7,fd=9))
-     bbr mss:1448 bytes_sent:79887 bytes_retrans:1448 bytes_acked:78387 unacked:1
-ESTAB 0 0 10.213.0.1:12355 10.213.0.1:50972 users:(("python",pid=7,fd=5))
-     bbr mss:32768 bytes_sent:1764 bytes_acked:1764
-ESTAB 0 0 10.213.0.1:22 10.213.0.3:50972 users:(("sshd",pid=70,fd=3))
-     cubic mss:1448 bytes_sent:5000 bytes_acked:5000"""
 
 
 def read(interface: str, drain_s: float = DRAIN_S) -> Sent:
