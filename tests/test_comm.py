@@ -50,7 +50,7 @@ def test_output_is_the_mean_of_every_devices_decompressed_gradient(mesh, shard_m
       # differs between them and with the CPU's vector ISA, so a stored code may differ by one
       # where the residual sits on a rounding boundary, and rarely; never by more.
       mine = state._replace(error={"": tuple(np.asarray(e).reshape(N, -1)[d]
-                                             for e in state.error[""])})
+                                             for e in state.groups[""].error)})
       diff = (np.asarray(error_by_leaf(mine, PARAMS, rows=N)[0]["w"]).astype(int) -
               np.asarray(error_by_leaf(local_states[d], PARAMS)[0]["w"]).astype(int))
       assert np.abs(diff).max() <= 1 and np.mean(diff != 0) < 1e-3, np.abs(diff).max()
@@ -190,7 +190,7 @@ def test_local_steps_checked_first_are_those_of_selects(monkeypatch, shapes):
   skipped_out, skipped_state = runs[0][2]
   assert all(np.all(np.isnan(np.asarray(x))) for x in jax.tree.leaves(skipped_out))
   assert int(skipped_state.count) == 2
-  assert np.any(np.asarray(skipped_state.error[""][0]) != 0)  # kept, not reset
+  assert np.any(np.asarray(skipped_state.groups[""].error[0]) != 0)  # kept, not reset
   jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)),
                runs[0], runs[1])
 

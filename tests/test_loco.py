@@ -91,7 +91,7 @@ def test_matches_numpy_reference(scale, error_scale):
                    *error_by_leaf(new_state, g, 1024))
     state = new_state
   assert int(state.count) == steps
-  assert np.any(np.asarray(state.error[""][0]) != 0)
+  assert np.any(np.asarray(state.groups[""].error[0]) != 0)
 
 
 @pytest.mark.slow
@@ -113,12 +113,12 @@ def test_leaves_are_compressed_per_bucket_not_per_leaf(monkeypatch):
   for k, x in out.items():
     np.testing.assert_allclose(np.asarray(x), 1.0, err_msg=k)
   # The state is one array per bucket, and per leaf as the leaves lie in them.
-  assert [e.shape for e in state.error[""]] == [(25 * 1024,), (6 * 96,)]
+  assert [e.shape for e in state.groups[""].error] == [(25 * 1024,), (6 * 96,)]
   error, error_scale = error_by_leaf(state, params, block_size=1024)
   assert error["ragged"].shape == (1000,) and error_scale["b0"].shape == (3,)
   # Sorted keys: b0..b5 and ragged (its one block) lie before w3 in the bucket of 1024s.
   np.testing.assert_array_equal(np.asarray(error["w3"]),
-                                np.asarray(state.error[""][0])[4 * 4096: 5 * 4096])
+                                np.asarray(state.groups[""].error[0])[4 * 4096: 5 * 4096])
 
 
 @pytest.mark.slow
@@ -166,13 +166,13 @@ def test_reset_zeroes_the_error_before_the_step():
   g = jnp.full(8, 0.1)
   _, state = opt.update(g, state)
   _, state = opt.update(g, state)
-  assert np.any(np.asarray(state.error[""][0]) != 0)
+  assert np.any(np.asarray(state.groups[""].error[0]) != 0)
   fresh = opt.init(jnp.zeros(8))
   _, after_fresh = opt.update(g, fresh)
   _, after_reset = opt.update(g, state)  # k = 2: reset, so the same as a first step
   # Exact: one program (update, run op by op) on the same g with e exactly 0 in both.
-  np.testing.assert_array_equal(np.asarray(after_reset.error[""][0]),
-                                np.asarray(after_fresh.error[""][0]))
+  np.testing.assert_array_equal(np.asarray(after_reset.groups[""].error[0]),
+                                np.asarray(after_fresh.groups[""].error[0]))
 
 
 @pytest.mark.slow
@@ -191,7 +191,7 @@ def test_vanishing_and_zero_blocks_stay_finite_and_go_to_zero():
   assert np.all(np.isfinite(np.asarray(outs)))
   np.testing.assert_array_equal(np.asarray(outs[:, 2048:]), 0)
   np.testing.assert_array_equal(np.asarray(outs[-1]), 0)
-  assert np.all(np.isfinite(np.asarray(state.error_scale[""][0])))
+  assert np.all(np.isfinite(np.asarray(state.groups[""].error_scale[0])))
 
 
 @pytest.mark.slow
@@ -275,7 +275,7 @@ def test_state_costs_about_one_byte_per_parameter():
   n = sum(x.size for x in jax.tree.leaves(params))
   state = loco().init(params)
   nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
-  assert all(x.dtype == jnp.int8 for x in jax.tree.leaves(state.error))
+  assert all(x.dtype == jnp.int8 for x in jax.tree.leaves(state.groups[""].error))
   assert 1.0 <= nbytes / n < 1.01, nbytes / n
 
 
@@ -314,14 +314,15 @@ def test_the_check_costs_the_step_nothing():
   opt = loco()
   state = opt.init(PARAMS_2)
   assert sum(x.size for x in jax.tree.leaves(state)) == sum(
-      x.size for x in jax.tree.leaves((state.count, state.error, state.error_scale)))
+      x.size for x in jax.tree.leaves((state.count, state.groups)))
   hlo = jax.jit(opt.update).lower(PARAMS_2, state).as_text()
   assert "signature" not in hlo
 
 
 def test_a_state_of_another_loco_says_what_it_needs():
   state = loco(block_size=16).init(PARAMS_2)
-  with pytest.raises(ValueError, match=r"state.error_scale holds 2 arrays .* needs 2 arrays"):
+  with pytest.raises(ValueError, match=r"the state holds 4 arrays of shapes \[\(32,\), \(8,\), \(2,\), "
+                     r"\(1,\)\], .* needs 4 arrays of shapes \[\(32,\), \(8,\), \(1,\), \(1,\)\]"):
     jax.jit(loco().update)(PARAMS_2, state)
 
 
@@ -331,9 +332,9 @@ def test_a_state_of_another_kind_or_layout_is_refused():
   with pytest.raises(ValueError, match="must be a LocoState"):
     opt.update(params, {"error": {}})
   # The per-leaf state of earlier releases (and checkpoints of it) no longer fits.
-  per_leaf = opt.init(params)._replace(error={k: jnp.zeros(x.size, jnp.int8)
-                                              for k, x in params.items()})
-  with pytest.raises(ValueError, match=r"state.error holds 2 arrays .* needs 2 arrays"):
+  per_leaf = opt.init(params)._replace(groups={k: jnp.zeros(x.size, jnp.int8)
+                                               for k, x in params.items()})
+  with pytest.raises(ValueError, match=r"the state holds 2 arrays .* needs 4 arrays"):
     opt.update(params, per_leaf)
   state = opt.init(params)
   with pytest.raises(ValueError, match="block_size and rows"):

@@ -28,7 +28,7 @@ def mesh():
 
 def _per_device_errors(state) -> np.ndarray:
   """int8 [devices, everything]: each device's stored error, all buckets."""
-  return np.concatenate([np.asarray(e).reshape(N, -1) for e in jax.tree.leaves(state.error)],
+  return np.concatenate([np.asarray(e).reshape(N, -1) for e in jax.tree.leaves(state.groups[""].error)],
                         axis=1)
 
 

@@ -20,9 +20,8 @@ from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from loco_jax.core import layout, quant
+from loco_jax.core import layout, quant, workarounds
 from loco_jax.core.layout import LeafLayout
 
 # Bytes a block's scale costs on the wire, and a value of padding (4 bits in the all-to-all,
@@ -184,25 +183,10 @@ def to_buckets(flats: Sequence[jax.Array | None], p: Plan) -> list[jax.Array]:
 
 
 def starts(p: Plan, count: jax.Array) -> list[list | None]:
-  """Each leaf's pieces' first blocks, for `from_buckets`, `shards` and `scales_from_buckets`.
-
-  XLA:CPU compiles each distinct fusion once: slices at constant offsets are distinct for
-  every leaf, so taking N leaves out of a bucket costs N kernels, and leaves of one shape at
-  offsets only known at run time cost one. On CPU the offsets therefore come
-  out of a while loop that XLA cannot unroll: it runs once (`count`, the step counter, is
-  never negative) and passes them through a max with 0. Elsewhere they are constants.
-  """
+  """Each leaf's pieces' first blocks, for `from_buckets`, `shards` and `scales_from_buckets`
+  (`workarounds.opaque_offsets` of the step counter `count`)."""
   block_starts = [[q.block0 for q in leaf.pieces] if leaf else [] for leaf in p.leaves]
-  if jax.default_backend() != "cpu":
-    return [f if leaf else None for f, leaf in zip(block_starts, p.leaves)]
-  flat = [np.int32(b) for f in block_starts for b in f]
-
-  def body(carry):
-    i, k, values = carry
-    return i + 1, k, [jnp.maximum(v, i) for v in values]
-
-  _, _, flat = jax.lax.while_loop(lambda c: c[0] < 1 + jnp.minimum(c[1], 0), body,
-                                  (jnp.int32(0), count.astype(jnp.int32), flat))
+  flat = workarounds.opaque_offsets([b for f in block_starts for b in f], count)
   out, at = [], 0
   for f, leaf in zip(block_starts, p.leaves):
     out.append(flat[at: at + len(f)] if leaf else None)

@@ -24,14 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from loco_jax.core import layout, quant
+from loco_jax.core import quant
 
 AxisNames = str | tuple[str, ...] | None
-
-# Backends on which `finish` skips a non-finite step with one lax.cond where the step lets it
-# (`GroupResult.value_like`); elsewhere it selects each leaf's state and adds the NaN flags to
-# each leaf's update (a GPU would read the cond's predicate back to the host, stalling).
-SKIP_BY_COND = ("cpu",)
 
 # The axes of a nested shard_map that `core.local_blocks` made manual: in local mode only these
 # keep-or-skip together (a caller's own manual axes are the caller's business).
@@ -111,18 +106,16 @@ class Group(NamedTuple):
 
 class GroupResult(NamedTuple):
   """What a transformation's step returns for one group."""
-  values: Callable[[], list]   # -> flat float32 values per leaf of the group (None: not sent)
+  values: list                 # flat float32 values per leaf of the group (None: not sent)
   flags: jax.Array             # float32 []: 0, or NaN where some device saw a non-finite value
   state: Any                   # the group's new state
-  value_like: Any = None       # an array typed like the values (lets `finish` skip by lax.cond)
 
 
 class Mapped(NamedTuple):
   """Every group's results, per leaf."""
-  values: Callable[[], list]   # -> flat float32 values per leaf (None: pass the gradient on)
+  values: list                 # flat float32 values per leaf (None: pass the gradient on)
   flags: jax.Array
   states: dict                 # {group key: the group's new state}
-  value_like: dict             # {leaf index: array typed like its values}, for lax.cond
 
 
 class Finished(NamedTuple):
@@ -178,18 +171,12 @@ class Leaves(NamedTuple):
     """Runs `step` on each group; returns the values per leaf, the flags summed over the
     groups and `agree_axes`, and each group's state under its key."""
     results = {group.key: step(group) for group in self.groups}
-
-    def values() -> list:
-      out = [None] * len(self.leaves)
-      for group in self.groups:
-        for i, v in zip(group.indices, results[group.key].values()):
-          out[i] = v
-      return out
-
+    values = [None] * len(self.leaves)
+    for group in self.groups:
+      for i, v in zip(group.indices, results[group.key].values):
+        values[i] = v
     flags = self.agree(sum((r.flags for r in results.values()), jnp.float32(0)))
-    like = {i: results[g.key].value_like for g in self.groups for i in g.indices
-            if results[g.key].value_like is not None}
-    return Mapped(values, flags, {key: r.state for key, r in results.items()}, like)
+    return Mapped(values, flags, {key: r.state for key, r in results.items()})
 
   def finish(self, mapped: Mapped, new: Any, old: Any, count: jax.Array | None = None, *,
              shards: int | None = None, prechecked: jax.Array | None = None) -> Finished:
@@ -199,34 +186,16 @@ class Leaves(NamedTuple):
 
     `shards`: the update is each leaf's flat shard over that many devices (a scatter).
     `prechecked`: flags agreed before the step, which then wrote NaN values and kept the
-    state itself. On `SKIP_BY_COND` backends, where every group gave a `value_like`, one
-    lax.cond takes the values on its keep branch only, so each leaf's update is a bare slice
-    of the step's buffers rather than a select per leaf.
+    state itself (`workarounds.finite_first`).
     """
     finite = jnp.isfinite(mapped.flags if prechecked is None else prechecked)
     if count is not None:
       count = jnp.where(finite, optax.safe_increment(count), count)
     shaped = shards is None
     if prechecked is not None:
-      return Finished(self.outputs(mapped.values(), None, shaped), new, count)
-    by_cond = (jax.default_backend() in SKIP_BY_COND and mapped.value_like
-               and len(mapped.value_like) == len(self.sent))
-    if not by_cond:
-      return Finished(self.outputs(mapped.values(), mapped.flags, shaped),
-                      keep_if(finite, new, old), count)
-    # Both branches return the state typed alike: varying over the axes either one varies over.
-    new, old = jax.tree.map(vary_like, new, old), jax.tree.map(vary_like, old, new)
-
-    def skip():
-      nan = [None] * len(self.leaves)
-      for i, like in mapped.value_like.items():
-        size = self.leaves[i].size if shaped else layout.shard_len(self.leaves[i].size, shards)
-        nan[i] = vary_like(jnp.full((size,), jnp.nan, jnp.float32), like)
-      return self.outputs(nan, None, shaped), old
-
-    update, state = jax.lax.cond(
-        finite, lambda: (self.outputs(mapped.values(), None, shaped), new), skip)
-    return Finished(update, state, count)
+      return Finished(self.outputs(mapped.values, None, shaped), new, count)
+    return Finished(self.outputs(mapped.values, mapped.flags, shaped),
+                    keep_if(finite, new, old), count)
 
   def by_leaf(self, states: dict, fields: list[list]) -> list[list]:
     """Per-group lists of per-leaf fields ({key: [field][leaf of the group]}) -> per-leaf

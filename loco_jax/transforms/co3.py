@@ -176,8 +176,8 @@ def update(settings: Co3Settings, updates: Any, state: Co3State) -> tuple[Any, C
   trees.check_state_matches("co3", updates, state._replace(coded_bits=None),
                             init(settings, updates)._replace(coded_bits=None))
   grads = leaves.split(updates, settings.axis_name)
-  if not grads.sent:
-    return updates, state
+  if not grads.sent:  # nothing to compress or send
+    return updates, state._replace(count=optax.safe_increment(state.count))
   old = [grads.per_leaf(state.error), grads.per_leaf(state.scale)]
   refit = state.count % settings.refit_interval == 0
   mapped = grads.map_groups(lambda group: group_step(settings, grads, group, old, refit))
@@ -193,7 +193,7 @@ def update(settings: Co3Settings, updates: Any, state: Co3State) -> tuple[Any, C
 def _counters(settings: Co3Settings, grads: leaves.Leaves, mapped: leaves.Mapped,
               state: Co3State) -> tuple[jax.Array, ...]:
   """The new coded_bits, overflows, extended and rejected, from the groups' results
-  (`GroupState`)."""
+  (`Corrected`)."""
   taken, rejected = jnp.isfinite(mapped.flags), mapped.flags == jnp.inf
   groups = list(mapped.states.values())
   counts = jnp.stack([sum(s.overflowed for s in groups),
@@ -208,7 +208,7 @@ def _counters(settings: Co3Settings, grads: leaves.Leaves, mapped: leaves.Mapped
           state.rejected + rejected.astype(jnp.int32))
 
 
-class GroupState(NamedTuple):
+class Corrected(NamedTuple):
   """One group's step: its leaves' new state fields and what its exchange measured."""
   error: list               # float32 [size] per leaf of the group: e = a - q
   scale: list               # float32 [1] per leaf of the group
@@ -241,8 +241,8 @@ def group_step(settings: Co3Settings, grads: leaves.Leaves, group: leaves.Group,
   exchanged = run(settings, converted.symbols, converted.scales,
                   leaves.flag(grads.finite(group.indices)))
   sent = [fp.decode(q, settings.fmt, s) for q, s in zip(converted.symbols, converted.scales)]
-  new = GroupState([a - q for a, q in zip(converted.compensated, sent)],
+  new = Corrected([a - q for a, q in zip(converted.compensated, sent)],
                    [s[None] for s in converted.scales], exchanged.overflowed,
                    exchanged.extended, exchanged.coded_bytes,
                    co3_exchange.coded_symbols(settings, n, converted.symbols))
-  return leaves.GroupResult(lambda: exchanged.values, exchanged.flag, new)
+  return leaves.GroupResult(exchanged.values, exchanged.flag, new)

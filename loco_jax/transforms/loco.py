@@ -16,7 +16,6 @@ output NaN and leaves the state unchanged, so the error is never poisoned; wrap 
 `optax.apply_if_finite` to skip such steps.
 """
 
-import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -25,11 +24,11 @@ import optax
 
 from loco_jax import kernels
 from loco_jax.comm import bucketed, exchange
-from loco_jax.core import args, buckets, leaves, local_blocks, quant, trees
+from loco_jax.core import args, buckets, leaves, local_blocks, trees, workarounds
 from loco_jax.core.layout import AxisName
 from loco_jax.kernels import feedback
 from loco_jax.transforms import coders
-from loco_jax.transforms.loco_state import GroupState, LocoState, check_state
+from loco_jax.transforms.loco_state import GroupState, LocoState, check_state, group_shapes
 from loco_jax.transforms.settings import GATHER_MODES, LocoSettings, resolve
 
 
@@ -106,18 +105,6 @@ def bucket_plans(grads: leaves.Leaves, rows: int, block_size: int) -> dict:
           for group in grads.groups}
 
 
-def init_group(plan: buckets.Plan, block_scales: bool, quantized_gather: bool) -> GroupState:
-  """A group's zero state: one array per bucket."""
-  def zeros(dtype, per_block):
-    return tuple(jnp.zeros((per_block(plan.rows, b, n),), dtype)
-                 for b, n in zip(plan.blocks, plan.block_lens))
-  return GroupState(
-      zeros(jnp.int8, lambda rows, b, n: rows * b * n),
-      zeros(jnp.float32, lambda rows, b, n: rows * b) if block_scales else None,
-      zeros(jnp.int8, lambda rows, b, n: b * n) if quantized_gather else None,
-      zeros(jnp.float32, lambda rows, b, n: b) if quantized_gather and block_scales else None)
-
-
 def compress_buckets(grad_buckets: list, errors: tuple, error_scales: tuple | None,
                      s: LocoSettings, reset, decompressed: bool, skip=None) -> CompressedBuckets:
   """LoCo's step on every gradient bucket [rows, blocks, len] with its error bucket."""
@@ -176,40 +163,17 @@ def average(sent: CompressedBuckets, plan: buckets.Plan, old: GroupState, s: Loc
 
 def group_step(group: leaves.Group, plan: buckets.Plan, grad_buckets: list, old: GroupState,
                count: jax.Array, s: LocoSettings, mode: Exchange, skip=None) -> leaves.GroupResult:
-  """One group's step: compress its buckets, average them over the axis, and the thunk that
-  takes each leaf's values out of the averaged buckets."""
+  """One group's step: compress its buckets, average them over the axis, and take each
+  leaf's values out of the averaged buckets."""
   reset = feedback.is_due(count, s.reset_interval)
   sent = compress_buckets(grad_buckets, old.error, old.error_scale, s, reset,
                           decompressed=mode.axis_name is None, skip=skip)
   averaged = average(sent, plan, old, s, mode, reset)
-  block_starts = buckets.starts(plan, count)
   take = buckets.shards if mode.scatter else buckets.from_buckets
-
-  def values() -> list:
-    per_leaf = take(averaged.values, plan, block_starts)
-    return [per_leaf[i] for i in group.indices]
+  per_leaf = take(averaged.values, plan, buckets.starts(plan, count))
   new = sent.state._replace(gather_error=averaged.gather_error,
                             gather_scale=averaged.gather_scale)
-  return leaves.GroupResult(values, averaged.flags, new, averaged.values[0])
-
-
-def finite_first(grads: leaves.Leaves, plans: dict, filled: dict, mode: Exchange):
-  """The agreed flags of the gradient buckets, checked before the step, where the step should
-  skip by itself; None elsewhere.
-
-  Local mode on `leaves.SKIP_BY_COND` backends, where some leaf is a whole bucket: `finish`'s
-  lax.cond would copy that bucket, an operand of the cond (docs/PERFORMANCE.md, "One
-  short-block bucket, index wrapping, the flat leaf's cond copies").
-  There the step writes NaN updates and keeps the state itself (`compress_step(skip=...)`).
-  With many leaves the cond stays: it keeps XLA from fusing a small bucket's arithmetic into
-  every leaf's slice.
-  """
-  if (mode.axis_name is not None or jax.default_backend() not in leaves.SKIP_BY_COND
-      or not any(p.has_bare_leaf() for p in plans.values())):
-    return None
-  finite = functools.reduce(jnp.logical_and, [quant.all_finite(g) for grad_buckets in
-                                              filled.values() for g in grad_buckets])
-  return grads.agree(leaves.flag(finite))
+  return leaves.GroupResult([per_leaf[i] for i in group.indices], averaged.flags, new)
 
 
 def loco(bits: int = 4, scale: float | None = None, error_bits: int | None = None,
@@ -260,33 +224,39 @@ def loco(bits: int = 4, scale: float | None = None, error_bits: int | None = Non
               scale_method, clip_rms)
   mode = _check_exchange(axis_name, gather, scatter, entropy_code, capacity_bits, s.bits)
 
+  def expected(grads: leaves.Leaves) -> dict:
+    return {key: group_shapes(plan, s.error_scale is None, mode.quantized_gather)
+            for key, plan in bucket_plans(grads, mode.rows(), s.block_size).items()}
+
   def init_fn(params):
     if is_placeholder(params):  # optax.tree_map_params's: no state here mirrors the params
-      return LocoState(jnp.zeros([], jnp.int32), *[jnp.zeros([], jnp.int8)] * 5)
-    grads = leaves.split(params, axis_name)
-    groups = {key: init_group(plan, s.error_scale is None, mode.quantized_gather)
-              for key, plan in bucket_plans(grads, mode.rows(), s.block_size).items()}
-    return LocoState.from_groups(jnp.zeros([], jnp.int32), groups,
-                                 trees.TreeSignature.of(params))
+      return LocoState(jnp.zeros([], jnp.int32), *[jnp.zeros([], jnp.int8)] * 2)
+    zeros = lambda x: jnp.zeros(x.shape, x.dtype)
+    return LocoState(jnp.zeros([], jnp.int32),
+                     jax.tree.map(zeros, expected(leaves.split(params, axis_name))),
+                     trees.TreeSignature.of(params))
 
   def update_fn(updates, state):
-    check_state(state, updates, init_fn(updates))
-    grads, count = leaves.split(updates, axis_name), state.count
+    grads = leaves.split(updates, axis_name)
+    check_state(state, updates, expected(grads))
+    count = state.count
     if not grads.sent:  # nothing to compress or send
       return updates, state._replace(count=optax.safe_increment(count))
     plans = bucket_plans(grads, mode.rows(), s.block_size)
     filled = {key: buckets.to_buckets([grads.flat(i) if p.leaves[i] else None
                                        for i in range(len(grads.leaves))], p)
               for key, p in plans.items()}
-    prechecked = finite_first(grads, plans, filled, mode)
+    finite = workarounds.finite_first(
+        [g for grad_buckets in filled.values() for g in grad_buckets],
+        local=mode.axis_name is None, has_bare_leaf=any(p.has_bare_leaf() for p in plans.values()))
+    prechecked = None if finite is None else grads.agree(leaves.flag(finite))
     skip = None if prechecked is None else jnp.isnan(prechecked)
     mapped = grads.map_groups(lambda group: group_step(
-        group, plans[group.key], filled[group.key], state.group(group.key), count, s, mode,
+        group, plans[group.key], filled[group.key], state.groups[group.key], count, s, mode,
         skip))
-    shards = mode.rows() if mode.scatter else None
-    done = grads.finish(mapped, mapped.states, state.groups(), count, shards=shards,
-                        prechecked=prechecked)
-    return done.update, LocoState.from_groups(done.count, done.state, state.signature)
+    done = grads.finish(mapped, mapped.states, state.groups, count,
+                        shards=mode.rows() if mode.scatter else None, prechecked=prechecked)
+    return done.update, LocoState(done.count, done.state, state.signature)
 
   return optax.GradientTransformationExtraArgs(
       local_blocks.local_init(init_fn, axis_name, specs, "loco"),

@@ -18,42 +18,33 @@ class GroupState(NamedTuple):
 
 
 class LocoState(NamedTuple):
-  """LoCo's state, one array per bucket (`buckets.plan`, laid out from the params' shapes), so
-  that a step neither gathers the state into buckets nor slices it back per leaf; see
-  `error_by_leaf` for it per leaf. Every field but `count` and `signature` differs per device:
-  declare it with `state_specs`.
+  """LoCo's state, stored as it is stepped: per group of leaves, one array per bucket
+  (`buckets.plan`, laid out from the params' shapes), so that a step neither gathers the state
+  into buckets nor slices it back per leaf; `error_by_leaf` shows it per leaf. `groups` differs
+  per device: declare it with `state_specs`.
 
-  Each per-device field is a dict {group: the `GroupState` field of that group}. The group is
-  the key of the leaves that are split over the same mesh axes besides the averaged ones
-  (`leaves.group_key`: those axes joined by commas): "" for every leaf unless a model axis
-  splits some; those of "model" differ per model shard, the others do not.
+  A group holds the leaves that are split over the same mesh axes besides the averaged ones,
+  keyed by those axes joined by commas (`leaves.group_key`): "" for every leaf unless a model
+  axis splits some; those of "model" differ per model shard, the others do not.
   """
   count: jax.Array   # int32 steps taken; drives the periodic reset
-  error: dict        # int8 [rows * blocks * len] per bucket: this device's averaged compression
-                     # error (rows: devices on the axis)
-  error_scale: Any   # float32 [rows * blocks] per bucket (None with a fixed `error_scale`)
-  gather_error: Any  # int8 [blocks * len] per bucket: the shard's error (gather="quantized")
-  gather_scale: Any  # float32 [blocks] per bucket (gather="quantized" with block scales)
+  groups: Any        # {group key: GroupState}
   signature: Any     # trees.TreeSignature of the params: their structure and shapes, no array
 
-  PER_DEVICE = ("error", "error_scale", "gather_error", "gather_scale")
+  PER_DEVICE = ("groups",)
   BY_BUCKET = PER_DEVICE  # per group and bucket, not trees like the params (local_blocks)
 
-  def group(self, key: str) -> GroupState:
-    """One group's state."""
-    return GroupState(*[None if f is None else f[key] for f in self[1:5]])
 
-  def groups(self) -> dict:
-    """{group key: GroupState}."""
-    return {key: self.group(key) for key in self.error}
-
-  @classmethod
-  def from_groups(cls, count: jax.Array, groups: dict, signature: Any) -> "LocoState":
-    """The state of {group key: GroupState} (every group in the same mode)."""
-    fields = [{key: g[f] for key, g in groups.items()} for f in range(len(GroupState._fields))]
-    first = next(iter(groups.values()), GroupState((), None, None, None))
-    return cls(count, *[None if first[f] is None else fields[f] for f in range(len(fields))],
-               signature)
+def group_shapes(plan: buckets.Plan, block_scales: bool, quantized_gather: bool) -> GroupState:
+  """The shapes and dtypes of a group's state: one array per bucket of `plan`."""
+  def arrays(dtype, length):
+    return tuple(jax.ShapeDtypeStruct((length(plan.rows, b, n),), dtype)
+                 for b, n in zip(plan.blocks, plan.block_lens))
+  return GroupState(
+      arrays(jnp.int8, lambda rows, b, n: rows * b * n),
+      arrays(jnp.float32, lambda rows, b, n: rows * b) if block_scales else None,
+      arrays(jnp.int8, lambda rows, b, n: b * n) if quantized_gather else None,
+      arrays(jnp.float32, lambda rows, b, n: b) if quantized_gather and block_scales else None)
 
 
 def _shapes(field) -> str:
@@ -61,25 +52,24 @@ def _shapes(field) -> str:
   return f"{len(shapes)} arrays of shapes {shapes[:4]}" + (" ..." if len(shapes) > 4 else "")
 
 
-def check_state(state: Any, updates: Any, expected: LocoState) -> None:
+def check_state(state: Any, updates: Any, expected: dict) -> None:
   """ValueError where `updates` is not like the params `state` was made from, or `state` is
-  not what `init` builds for them (`expected`: another loco's settings, another mesh)."""
+  not laid out as `expected` ({group key: `group_shapes`}: another loco's settings, another
+  mesh)."""
   if not isinstance(state, LocoState):
     raise ValueError(f"loco: the state must be a LocoState (from loco(...).init), got "
                      f"{type(state).__name__}")
   if isinstance(state.signature, trees.TreeSignature):
     state.signature.check(updates, "loco")
-  for name in LocoState.PER_DEVICE:
-    have, want = getattr(state, name), getattr(expected, name)
-    same = (jax.tree.structure(have) == jax.tree.structure(want) and
-            all(jnp.shape(a) == jnp.shape(b) and jnp.result_type(a) == jnp.result_type(b)
-                for a, b in zip(jax.tree.leaves(have), jax.tree.leaves(want))))
-    if not same:
-      raise ValueError(
-          f"loco: state.{name} holds {_shapes(have)}, but this gradient tree needs "
-          f"{_shapes(want)} (one per bucket of its layout, buckets.plan). The gradient tree must "
-          f"have the structure and leaf shapes of the params the state was created from (init), "
-          f"and the state must come from a loco with the same settings.")
+  same = (jax.tree.structure(state.groups) == jax.tree.structure(expected) and
+          all(jnp.shape(a) == b.shape and jnp.result_type(a) == b.dtype
+              for a, b in zip(jax.tree.leaves(state.groups), jax.tree.leaves(expected))))
+  if not same:
+    raise ValueError(
+        f"loco: the state holds {_shapes(state.groups)}, but this gradient tree needs "
+        f"{_shapes(expected)} (one per bucket of its layout, buckets.plan). The gradient tree "
+        f"must have the structure and leaf shapes of the params the state was created from "
+        f"(init), and the state must come from a loco with the same settings.")
 
 
 def error_by_leaf(state: LocoState, params: Any, block_size: int = 2048,
@@ -101,16 +91,16 @@ def error_by_leaf(state: LocoState, params: Any, block_size: int = 2048,
   p = buckets.plan(tuple(x.size if i in tree.sent else 0 for i, x in enumerate(tree.leaves)),
                    rows, block_size)
   expected = [((rows * b * n,), jnp.int8) for b, n in zip(p.blocks, p.block_lens)]
-  if not set(state.error) <= {""}:
-    raise ValueError(f"error_by_leaf: state.error has the groups {sorted(state.error)}; it "
+  if not set(state.groups) <= {""}:
+    raise ValueError(f"error_by_leaf: the state has the groups {sorted(state.groups)}; it "
                      f"shows one device's state of leaves not split over a model axis (\"\")")
-  error_buckets = state.error.get("", ())
-  scale_buckets = None if state.error_scale is None else state.error_scale.get("", ())
+  group = state.groups.get("", GroupState((), None, None, None))
+  error_buckets, scale_buckets = group.error, group.error_scale
   if ([(tuple(e.shape), e.dtype) for e in error_buckets] != expected or
       scale_buckets is not None and [s.shape for s in scale_buckets] != [
           (rows * b,) for b in p.blocks]):
-    raise ValueError(f"error_by_leaf: state.error holds {_shapes(state.error)}, but params laid "
-                     f"out in blocks of {block_size} over {rows} rows need {len(expected)} "
+    raise ValueError(f"error_by_leaf: the state's error holds {_shapes(error_buckets)}, but "
+                     f"params laid out in blocks of {block_size} over {rows} rows need {len(expected)} "
                      f"arrays of shapes {[s for s, _ in expected][:4]}: pass the params, "
                      f"block_size and rows (devices on the axis) the state was made for")
   block_starts = [[q.block0 for q in leaf.pieces] if leaf else None for leaf in p.leaves]

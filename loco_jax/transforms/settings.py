@@ -1,4 +1,4 @@
-"""LoCo's settings: defaults by bit width, argument checks, and the kernel check they need.
+"""LoCo's settings: defaults by bit width and argument checks.
 
 `loco` and `two_hop` resolve their arguments here once, when the transformation is built.
 
@@ -19,7 +19,6 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from loco_jax import kernels
 from loco_jax.core import args, quant
 
 GATHER_MODES = ("bf16", "quantized")
@@ -96,10 +95,6 @@ def resolve(bits: int = 4, scale: float | None = None, error_bits: int | None = 
             scale_method: str | None = None, clip_rms: float | None = None) -> LocoSettings:
   """LoCo's arguments checked and completed with `defaults_for(bits)`.
 
-  Also runs the Pallas kernels' float64 reference check for these settings now, outside any
-  trace (`kernels.chosen_implementation`): inside a jax.shard_map trace it could not run, and
-  the step would take jnp.
-
   Raises:
     ValueError: an argument out of range, of the wrong kind, or contradicting another.
   Example:
@@ -118,11 +113,5 @@ def resolve(bits: int = 4, scale: float | None = None, error_bits: int | None = 
   args.check_fraction(beta, "beta (0 is classic error feedback)", 0.0, 1.0)
   _check_scale("scale", scale)
   _check_scale("error_scale", error_scale)
-  settings = LocoSettings(int(bits), scale, int(error_bits), error_scale, beta,
-                          int(reset_interval), int(block_size), scale_method, clip_rms)
-  if args.is_concrete(beta):
-    kernels.chosen_implementation(bits=settings.bits, error_bits=settings.error_bits,
-                                  beta=float(beta), block_size=settings.block_size,
-                                  scale_method=scale_method, clip_rms=clip_rms)
-    kernels.chosen_implementation(bits=settings.bits)  # the receive-side mean's check
-  return settings
+  return LocoSettings(int(bits), scale, int(error_bits), error_scale, beta,
+                      int(reset_interval), int(block_size), scale_method, clip_rms)
