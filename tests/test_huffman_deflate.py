@@ -10,7 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loco_jax.codecs import fp, gennorm, huffman, huffman_deflate
+from loco_jax.apps import huffman
+from loco_jax.codecs import fp, gennorm, huffman_deflate
 
 
 def _pairs(n: int, beta: float = 1.0, seed: int = 0) -> np.ndarray:

@@ -3,7 +3,7 @@ bounds-checked reader whose every shortfall is a ValueError (streams come from p
 
 import numpy as np
 
-from loco_jax.codecs.huffman_codes import LANE_LETTERS, MAX_CODE_LENGTH, ONE_LANE_LETTERS
+from loco_jax.apps.huffman_codes import LANE_LETTERS, MAX_CODE_LENGTH, ONE_LANE_LETTERS
 
 
 def lane_letters_for(n_letters: int) -> int:
