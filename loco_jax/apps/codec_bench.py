@@ -151,7 +151,7 @@ def run(n_symbols: int = 4_000_000, betas: Sequence[float] = (0.5, 1.0, 2.0), se
   "zstd_available" notes whether zstandard was importable (its codecs are skipped if not).
 
   Example:
-    >>> print(format_table(run(n_symbols=100_000, betas=(1.0,), repeats=1)))
+    >>> print(format_table(run(n_symbols=100_000, betas=(1.0,), repeats=1)))  # doctest: +SKIP
   """
   records = []
 
@@ -202,7 +202,7 @@ def format_table(records: list[dict]) -> str:
 
   Example:
     >>> format_table([{"name": "encode_ms/zlib_6/beta=1.0", "value": 9.5, "unit": "ms"}])
-    '| metric | codec | beta=1.0 |\\n|---|---|---|---|\\n| encode_ms (ms) | zlib_6 | 9.5 |'
+    '| metric | codec | beta=1.0 |\\n|---|---|---|\\n| encode_ms (ms) | zlib_6 | 9.5 |'
   """
   columns, rows, others = [], {}, []
   for r in records:
