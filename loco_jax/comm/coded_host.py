@@ -22,7 +22,7 @@ class ByteCoder(Protocol):
     """uint8 [size] -> its stream."""
 
   def decode(self, stream: memoryview, size: int) -> np.ndarray:
-    """The stream's uint8 [size], or ValueError: it comes from another device, untrusted."""
+    """Exactly `size` bytes (uint8) from the stream, or ValueError: peers are untrusted."""
 
   def overhead(self, size: int) -> int:
     """The most bytes a stream of `size` bytes spends beyond its payload."""
