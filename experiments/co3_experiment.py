@@ -226,7 +226,8 @@ def record(task: Task, method: str, config: Config, state: Any, batch: Any) -> d
   """Fits of worker 0's next local gradient g per matrix, and for CO3 of a = g + gamma e, the
   values CO3 itself fits and codes (with its scale, and the entropies of a's symbols)."""
   import jax
-  from loco_jax.codecs import fp, gennorm, huffman
+  from loco_jax.apps import huffman
+  from loco_jax.codecs import fp, gennorm
   from loco_jax.transforms.co3 import FORMATS
   from loco_jax.transforms.co3_host import SATURATION_QUANTILE, fitted_scale
   shard = jax.tree.map(lambda x: x[: len(x) // config.workers], batch)

@@ -3,8 +3,8 @@
   python experiments/co3_fp8_capacity.py [--steps 300] [--seed 0] [--skip-demo]
 
 1. The demo's co3-fp8 run (8 simulated devices, the bf16 gather): the length of every stream
-   each device codes for the all-to-all, step by step (read through `comm.coded.tampering`
-   with a hook that changes nothing). A coded stream is lossless whatever its slot, so one run
+   each device codes for the all-to-all, step by step (read where the coded exchange fills
+   its slots: `stream_lengths`). A coded stream is lossless whatever its slot, so one run
    at any capacity gives the lengths of all of them. For each stream: the capacity (bits a
    symbol) its slot would need, (length - huffman_deflate.overhead(row bytes)) * 8 / symbols;
    per step the largest over the 56 streams, since one stream that does not fit sends the step
@@ -19,6 +19,7 @@ few others, and the mean coded bits.
 """
 
 import argparse
+import contextlib
 import json
 from pathlib import Path
 import sys
@@ -33,9 +34,29 @@ CANDIDATES = (6.86, 7.0, 7.1, 7.2, 7.25, 7.3, 7.4, 7.5)
 
 def needed_bits(lengths: np.ndarray, row_bytes: int) -> np.ndarray:
   """Bits a symbol (fp8: one a byte) a slot must reserve for streams of `lengths`."""
+  from loco_jax.codecs import huffman_deflate
   from loco_jax.comm import coded
-  from loco_jax.transforms import coders
-  return coded.needed_bits_per_byte(lengths, row_bytes, coders.HUFFMAN_DEFLATE)
+  return coded.needed_bits_per_byte(lengths, row_bytes, huffman_deflate)
+
+
+@contextlib.contextmanager
+def stream_lengths(record):
+  """Inside, `record(length)` for every stream a device codes (host side)."""
+  from loco_jax.comm import coded
+  fill_slots = coded.fill_slots
+
+  def counted(rows_NxB, sender, capacity, coder, skip):
+    slots, lengths = fill_slots(rows_NxB, sender, capacity, coder, skip)
+    for j, length in enumerate(lengths.tolist()):
+      if j != skip:
+        record(length)
+    return slots, lengths
+
+  coded.fill_slots = counted
+  try:
+    yield
+  finally:
+    coded.fill_slots = fill_slots
 
 
 def summary(need_SxK: np.ndarray, coded_bits: float) -> dict:
@@ -56,7 +77,6 @@ def summary(need_SxK: np.ndarray, coded_bits: float) -> dict:
 
 def demo_streams(steps: int, seed: int) -> dict:
   from loco_jax.apps import demo
-  from loco_jax.comm import coded
   from loco_jax.core import layout
   from loco_jax.apps.models import num_params
   config = demo.DemoConfig(steps=steps, seed=seed)
@@ -66,10 +86,9 @@ def demo_streams(steps: int, seed: int) -> dict:
   row_bytes = sum(layout.shard_len(x.size, config.devices) for x in jax.tree.leaves(params))
   lock, current, per_step = threading.Lock(), [], []
 
-  def hook(sender, destination, stream):
+  def record(length):
     with lock:
-      current.append(len(stream))
-    return stream
+      current.append(length)
 
   def observe(state, step):
     del state, step
@@ -77,7 +96,7 @@ def demo_streams(steps: int, seed: int) -> dict:
       per_step.append(list(current))
       current.clear()
 
-  with coded.tampering(hook):
+  with stream_lengths(record):
     result = demo.run_method("co3-fp8", demo.make_compressor("co3-fp8", config), config,
                              demo.load_corpus(config), observe=observe)
   need = np.array([needed_bits(np.array(s), row_bytes) for s in per_step])

@@ -4,7 +4,7 @@
 
 Runs netbench's co3-fp4-coded step (`netbench_methods.exchange_step`) on n simulated devices of
 one process, each device with the gradient its netbench host has (`netbench_worker._gradient`),
-and reads every stream's length through `comm.coded.tampering` (a hook that changes nothing).
+and reads every stream's length where the coded exchange fills its slots (`stream_lengths`).
 For each stream: the bits a symbol (an element, for the gather's sums) that its slot must
 reserve beyond the coder's overhead (`comm.coded.needed_bits_per_byte`). Per step
 the largest over the all-to-all's streams and over the gather's (at 2 devices: the all-gather
@@ -13,6 +13,7 @@ record: the range over the steps of that largest need.
 """
 
 import argparse
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -20,6 +21,26 @@ import sys
 import threading
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+
+
+@contextlib.contextmanager
+def stream_lengths(record):
+  """Inside, `record(to_one_device, length)` for every stream a device codes (host side)."""
+  from loco_jax.comm import coded
+  fill_slots = coded.fill_slots
+
+  def counted(rows_NxB, sender, capacity, coder, skip):
+    slots, lengths = fill_slots(rows_NxB, sender, capacity, coder, skip)
+    for j, length in enumerate(lengths.tolist()):
+      if j != skip:
+        record(skip >= 0, length)
+    return slots, lengths
+
+  coded.fill_slots = counted
+  try:
+    yield
+  finally:
+    coded.fill_slots = fill_slots
 
 
 def main(argv=None) -> None:
@@ -37,8 +58,8 @@ def main(argv=None) -> None:
   from jax.sharding import NamedSharding, PartitionSpec
   from loco_jax.apps import netbench_methods, netbench_worker
   from loco_jax.comm import coded
+  from loco_jax.codecs import huffman_deflate
   from loco_jax.train import parallel
-  from loco_jax.transforms import coders
   n, size = args.devices, args.params
   mesh = parallel.data_mesh(n)
   step, state = netbench_methods.exchange_step("co3-fp4-coded", size, mesh)
@@ -48,20 +69,19 @@ def main(argv=None) -> None:
   per_shard = n > 2
   lock, lengths = threading.Lock(), []
 
-  def hook(sender, destination, stream):
+  def record(to_one, length):
     with lock:
-      lengths.append((destination >= 0, len(stream)))
-    return stream
+      lengths.append((to_one, length))
 
   def need(length: int, symbols: int, per_byte: int) -> float:
     """Bits a symbol, for streams of `symbols` symbols, `per_byte` of them a byte."""
-    bits = coded.needed_bits_per_byte(length, symbols // per_byte, coders.HUFFMAN_DEFLATE)
+    bits = coded.needed_bits_per_byte(length, symbols // per_byte, huffman_deflate)
     return bits / per_byte
 
   kinds = ({"all_to_all": (True, size // n, 2), "gather": (False, size // n, 1)} if per_shard
            else {"all_gather": (False, size, 2)})
   worst = {kind: [] for kind in kinds}
-  with coded.tampering(hook):
+  with stream_lengths(record):
     for _ in range(args.steps):
       lengths.clear()
       out, state = step(grads, state)

@@ -33,7 +33,8 @@ def _rows(flat_leaves, n):
 
 
 def _stream_bits(rows_NxB, symbols_per_byte):
-  from loco_jax.codecs import huffman, huffman_deflate
+  from loco_jax.apps import huffman
+  from loco_jax.codecs import huffman_deflate
   symbols = rows_NxB.size * symbols_per_byte
   deflate = sum(len(huffman_deflate.encode(r)) for r in rows_NxB)
   return {"entropy": round(float(np.mean([huffman.entropy_bits(r) for r in rows_NxB])
@@ -42,7 +43,8 @@ def _stream_bits(rows_NxB, symbols_per_byte):
 
 
 def co3_rates(grads: list[np.ndarray], n: int) -> dict:
-  from loco_jax.codecs import fp, gennorm, huffman
+  from loco_jax.apps import huffman
+  from loco_jax.codecs import fp, gennorm
   from loco_jax.transforms import co3_host
   symbols, model_bytes, nonzero = [], 0, []
   for g in grads:

@@ -16,7 +16,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from loco_jax.codecs import fp, gennorm, huffman, huffman_jnp  # noqa: E402
+from loco_jax.apps import huffman, huffman_jnp  # noqa: E402
+from loco_jax.codecs import fp, gennorm  # noqa: E402
 from loco_jax.transforms.co3 import (  # noqa: E402
     HEADER_BYTES, LANE_TABLE_BYTES_PER_SYMBOL, default_capacity_bits)
 

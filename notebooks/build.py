@@ -171,7 +171,7 @@ CO3 (seed paper 003) models each layer's gradient as a generalized normal (GenNo
 beta and scale alpha, picks an fp4 scale from the fit, and Huffman-codes the small-float symbols.
 This notebook takes real gradients of a small byte-level GPT on Python source text and checks
 each step: `loco_jax.codecs.gennorm` (fit, validate), `loco_jax.codecs.fp` (fp4/fp8 small floats),
-`loco_jax.codecs.huffman` (the lossless code)."""),
+`loco_jax.apps.huffman` (the lossless code, from the codec benchmark)."""),
     ("code", """import jax
 jax.config.update("jax_platforms", "cpu")
 import math
@@ -182,8 +182,8 @@ import matplotlib.pyplot as plt
 import numpy as np
 import optax
 
-from loco_jax.apps import data
-from loco_jax.codecs import fp, gennorm, huffman
+from loco_jax.apps import data, huffman
+from loco_jax.codecs import fp, gennorm
 from loco_jax.apps.models import GPT, GPTConfig, gpt
 
 config = GPTConfig(d_model=64, n_layers=2, d_ff=256, seq_len=64)

@@ -156,6 +156,7 @@ def test_exact_zeros_do_not_drag_the_fit():
 
 def test_device_threads_decode_their_slots_alike_and_never_their_own():
   import threading
+  import types
 
   from loco_jax.comm import coded_host
   from loco_jax.transforms import co3_exchange
@@ -168,7 +169,8 @@ def test_device_threads_decode_their_slots_alike_and_never_their_own():
     slots[d, :len(stream)] = np.frombuffer(stream, np.uint8)
   lengths = np.array([len(s) for s in streams], np.int32)
   decodes = []
-  counting = coder._replace(decode=lambda *a: decodes.append(1) or coder.decode(*a))
+  counting = types.SimpleNamespace(encode=coder.encode, overhead=coder.overhead,
+                                   decode=lambda *a: decodes.append(1) or coder.decode(*a))
   results, start = [None] * 8, threading.Barrier(8)
 
   def device(i):  # eight devices' callbacks on one host, at the same moment

@@ -49,7 +49,7 @@ def test_results_json(tiny_run):
   results = json.loads((out / "results.json").read_text())
   assert [r["method"] for r in results] == ["none", "loco4"]
   for r in results:
-    assert tuple(r) == demo.RESULT_KEYS
+    assert tuple(r) == demo_output.RESULT_KEYS
     assert math.isfinite(r["final_loss"]) and math.isfinite(r["eval_loss"])
     assert 0 < r["step_time_s"] < 60
   none, loco4 = results
@@ -274,7 +274,7 @@ def test_seq_len_bound_is_the_one_stated(devices, batch, heads, layers, memory_g
 def _fake_run(loss: float):
   """run_method without training: `loss` at every step, so that two runs' outputs differ."""
   def run(name, compressor, config, corpus, progress=None, **kwargs):
-    return demo.MethodResult(name, loss, loss + 0.1, 4.0, 20.0, 0.01,
+    return demo_output.MethodResult(name, loss, loss + 0.1, 4.0, 20.0, 0.01,
                              [loss + i / 10 for i in range(config.steps)][::-1], 0.0, 0, [])
   return run
 

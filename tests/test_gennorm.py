@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from scipy import stats
 
-from loco_jax.codecs import fp, gamma
+from loco_jax.codecs import fp
 from loco_jax.codecs import gennorm
 
 BETAS = [0.4, 0.7, 1.0, 2.0, 3.0]
@@ -67,7 +68,6 @@ def test_fit_maximizes_the_likelihood():
 
 @pytest.mark.numerics
 def test_fit_agrees_with_scipy():
-  stats = pytest.importorskip("scipy.stats")
   x = gennorm.sample(3, 0.9, 0.1, (20_000,))
   ours = gennorm.fit(x)
   beta, _, alpha = stats.gennorm.fit(x, floc=0.0)
@@ -98,17 +98,7 @@ def test_fit_rejects_bad_beta():
 
 
 @pytest.mark.numerics
-def test_special_functions_against_scipy():
-  special = pytest.importorskip("scipy.special")
-  stats = pytest.importorskip("scipy.stats")
-  for v in [0.05, 0.3, 1.0, 2.5, 9.99, 10.0, 50.0]:
-    assert abs(gamma.digamma(v) - special.digamma(v)) < 1e-12
-    assert abs(gamma.trigamma(v) - special.polygamma(1, v)) < 1e-12 * max(1, 1 / v ** 2)
-  t = np.concatenate([[0.0], np.logspace(-8, 3, 60)])
-  for a in [0.05, 0.5, 1.0, 2.5, 20.0]:
-    p, q = gamma.gammainc(a, t)
-    np.testing.assert_allclose(p, special.gammainc(a, t), rtol=1e-12, atol=1e-300)
-    np.testing.assert_allclose(q, special.gammaincc(a, t), rtol=1e-11, atol=1e-300)
+def test_cdf_and_ppf_agree_with_scipy():
   quantiles = np.array([1e-9, 1e-4, 0.1, 0.3, 0.5, 0.7, 0.9, 1 - 1e-4, 1 - 1e-9])
   for beta in [0.3, 1.0, 2.0, 5.0]:
     np.testing.assert_allclose(gennorm.ppf(quantiles, beta, 1.3, 0.2),

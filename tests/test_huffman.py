@@ -1,4 +1,4 @@
-"""Tests for loco_jax.codecs.huffman: roundtrips, code lengths, size, hostile input, threads."""
+"""Tests for loco_jax.apps.huffman: roundtrips, code lengths, size, hostile input, threads."""
 
 import concurrent.futures
 import functools
@@ -11,7 +11,7 @@ import zlib
 import numpy as np
 import pytest
 
-from loco_jax.codecs import huffman, huffman_codes, huffman_format, huffman_lanes
+from loco_jax.apps import huffman, huffman_codes, huffman_format, huffman_lanes
 
 FP4_LEVELS = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0])
 STRATEGIES = ["lock_step", "walk", "doubling"]

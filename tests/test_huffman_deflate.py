@@ -10,7 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loco_jax.codecs import fp, gennorm, huffman, huffman_deflate
+from loco_jax.apps import huffman
+from loco_jax.codecs import fp, gennorm, huffman_deflate
 
 
 def _pairs(n: int, beta: float = 1.0, seed: int = 0) -> np.ndarray:
@@ -22,7 +23,7 @@ def _pairs(n: int, beta: float = 1.0, seed: int = 0) -> np.ndarray:
 
 def _header_bytes(size: int) -> int:
   """Magic and version, the byte count's varint, the CRC32: what precedes the deflate."""
-  return 3 + len(huffman_deflate._varint(size)) + 4
+  return 3 + len(huffman_deflate.varint_bytes(size)) + 4
 
 
 @pytest.mark.parametrize("n", [0, 1, 2, 1000, 32_767, 100_001])
@@ -121,7 +122,7 @@ def test_fuzz_flipped_streams_decode_exactly_or_raise(n, flips):
 @settings(max_examples=150, deadline=None)
 @given(st.binary(max_size=400), st.integers(0, 5000))
 def test_fuzz_random_bytes_after_a_valid_header(junk, size):
-  stream = b"LD\x01" + huffman_deflate._varint(size) + bytes(4) + junk
+  stream = b"LD\x01" + huffman_deflate.varint_bytes(size) + bytes(4) + junk
   try:
     out = huffman_deflate.decode(stream, size)
   except ValueError:

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from loco_jax.codecs import huffman, huffman_format, huffman_lanes
+from loco_jax.apps import huffman, huffman_format, huffman_lanes
 
 STRATEGIES = ["lock_step", "walk", "doubling"]
 

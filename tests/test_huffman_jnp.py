@@ -1,4 +1,4 @@
-"""Tests for loco_jax.codecs.huffman_jnp: roundtrips under jit, the host coder's bit count, overflow."""
+"""Tests for loco_jax.apps.huffman_jnp: roundtrips under jit, the host coder's bit count, overflow."""
 
 import functools
 
@@ -6,8 +6,9 @@ import jax
 import numpy as np
 import pytest
 
-from loco_jax.codecs import fp, gennorm, huffman
-from loco_jax.codecs import huffman_jnp as hj
+from loco_jax.apps import huffman
+from loco_jax.apps import huffman_jnp as hj
+from loco_jax.codecs import fp, gennorm
 
 
 def _gennorm_fp4(n: int, beta: float, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:

@@ -7,13 +7,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
+from tampering import tampering
 from timeouts import within
 
 from loco_jax import comm, kernels
 from loco_jax.codecs import huffman_deflate
 from loco_jax.comm import coded
 from loco_jax.core import buckets
-from loco_jax.transforms import coders
 from loco_jax.transforms.loco import loco
 
 N = 8
@@ -75,7 +75,7 @@ def test_one_overflowing_slot_sends_the_step_raw_on_every_device(steps):
   def pad_one(sender, destination, stream):  # device 3's slot for device 5 does not fit
     return stream + bytes(1 << 16) if (sender, destination) == (3, 5) else stream
 
-  with coded.tampering(pad_one):
+  with tampering(pad_one):
     got = within(60, lambda: coded_step(grads, coded_state))
   _same_step(got, expected)
 
@@ -94,7 +94,7 @@ def test_a_hostile_peer_stream_makes_every_device_skip(steps, hostile):
   def tamper(sender, destination, stream):
     return hostile(stream) if (sender, destination) == (6, 2) else stream
 
-  with coded.tampering(tamper):
+  with tampering(tamper):
     out, after = within(60, lambda: coded_step(_grads(6), state))
   assert all(np.all(np.isnan(np.asarray(v))) for v in jax.tree.leaves(out))
   _equal(after, state)
@@ -127,7 +127,7 @@ def test_the_all_to_all_sends_slots_of_the_capacity(steps):
   a2a = next(c for c in always if c.op == "all-to-all")
   plan = buckets.plan(tuple(x.size for x in jax.tree.leaves(PARAMS)), N, 2048)
   code_bytes = sum(b * n for b, n in zip(plan.blocks, plan.block_lens)) // 2  # 4-bit codes
-  slot = coded.slot_bytes(code_bytes, 3.5 * 2, coders.HUFFMAN_DEFLATE)
+  slot = coded.slot_bytes(code_bytes, 3.5 * 2, huffman_deflate)
   # Each row: the slot, its stream's length, one float32 scale a block and the flag.
   assert a2a.dtype == "u8" and a2a.nbytes == N * (slot + 4 + 4 * sum(plan.blocks) + 4)
   assert next(c for c in always if c.op == "all-reduce").nbytes == 8  # the slots' verdict

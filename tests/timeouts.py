@@ -9,7 +9,7 @@ import pytest
 def within(seconds: float, fn):
   """fn() in a thread, blocked on; fails the test if it has not returned within `seconds`.
 
-  Blocked on inside the thread: host hooks (`comm.coded.tampering`) must still be in place when
+  Blocked on inside the thread: test doubles (`tampering.tampering`) must still be in place when
   the step's callbacks run, and jax dispatches asynchronously."""
   result = []
   thread = threading.Thread(target=lambda: result.append(jax.block_until_ready(fn())),

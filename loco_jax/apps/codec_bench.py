@@ -11,9 +11,10 @@ import scipy.special
 from zlib_ng import zlib_ng
 
 from loco_jax.codecs import fp
-from loco_jax.codecs import huffman, huffman_deflate
+from loco_jax.apps import huffman
+from loco_jax.codecs import huffman_deflate
 
-Codec = tuple[Callable[[np.ndarray], bytes], Callable[[bytes], np.ndarray]]
+Codec = tuple[Callable[[np.ndarray], bytes], Callable[[bytes, int], np.ndarray]]  # decode(data, size)
 
 SMALL_STREAM_SYMBOLS = 1000
 _SMALL_STREAMS = 32  # sizes of small streams are averaged over this many independent draws
@@ -69,21 +70,21 @@ def _codecs(beta: float) -> dict[str, tuple[Codec, bool]]:
   """name -> ((encode, decode), slow: timed once); zstd entries only when zstandard imports."""
   model = gennorm_fp4_probabilities(beta)
   codecs = {
-      "huffman": ((huffman.encode, huffman.decode), False),
-      "huffman_pairs": ((huffman.encode_pairs, huffman.decode), False),
+      "huffman": ((huffman.encode, _sized(huffman.decode)), False),
+      "huffman_pairs": ((huffman.encode_pairs, _sized(huffman.decode)), False),
       "huffman_model": ((lambda s: huffman.encode(s, probabilities=model),
-                         lambda d: huffman.decode(d, probabilities=model)), False),
+                         lambda d, n: huffman.decode(d, probabilities=model)), False),
       "huffman_pairs_model": ((lambda s: huffman.encode_pairs(s, probabilities=model),
-                               lambda d: huffman.decode(d, probabilities=model)), False),
-      "zlib_6": ((lambda s: zlib.compress(s, 6), _zlib_decode), False),
-      "zlib_huffman_only": ((_zlib_huffman_only, _zlib_decode), False),
+                               lambda d, n: huffman.decode(d, probabilities=model)), False),
+      "zlib_6": ((lambda s: zlib.compress(s, 6), _sized(_zlib_decode)), False),
+      "zlib_huffman_only": ((_zlib_huffman_only, _sized(_zlib_decode)), False),
       # co3's coder (zlib-ng's deflate, libdeflate's inflate, with its header and CRC32), and
       # its raw deflate with zlib-ng's and with Python's zlib alone: what the libraries bought.
-      "huffman_deflate": ((huffman_deflate.encode, _huffman_deflate_decode), False),
+      "huffman_deflate": ((huffman_deflate.encode, huffman_deflate.decode), False),
       "raw_huffman_only_zlib": ((lambda s: _raw_huffman_only(zlib, s),
-                                 lambda d: _raw_inflate(zlib, d)), False),
+                                 lambda d, n: _raw_inflate(zlib, d)), False),
       "raw_huffman_only_zlib_ng": ((lambda s: _raw_huffman_only(zlib_ng, s),
-                                    lambda d: _raw_inflate(zlib_ng, d)), False),
+                                    lambda d, n: _raw_inflate(zlib_ng, d)), False),
   }
   try:
     import zstandard
@@ -91,7 +92,7 @@ def _codecs(beta: float) -> dict[str, tuple[Codec, bool]]:
     return codecs
   for level in (1, 19):
     compressor = zstandard.ZstdCompressor(level=level)
-    codecs[f"zstd_{level}"] = ((compressor.compress, _zstd_decode), level == 19)
+    codecs[f"zstd_{level}"] = ((compressor.compress, _sized(_zstd_decode)), level == 19)
   return codecs
 
 
@@ -100,9 +101,9 @@ def _zlib_huffman_only(symbols: np.ndarray) -> bytes:
   return compressor.compress(symbols) + compressor.flush()
 
 
-def _huffman_deflate_decode(data: bytes) -> np.ndarray:
-  """The stream's own count as the expected one: a bench of our own streams, not a peer's."""
-  return huffman_deflate.decode(data, huffman_deflate._read_varint(memoryview(data), 3)[0])
+def _sized(decode: Callable[[bytes], np.ndarray]) -> Callable[[bytes, int], np.ndarray]:
+  """A decoder that reads the size from its stream, taking the expected one as the others do."""
+  return lambda data, size: decode(data)
 
 
 def _raw_huffman_only(module, symbols: np.ndarray) -> bytes:
@@ -131,7 +132,7 @@ def _time_once(codec: Codec, symbols: np.ndarray) -> tuple[int, float, float]:
   start = time.perf_counter()
   data = encode(symbols)
   middle = time.perf_counter()
-  decoded = decode(data)
+  decoded = decode(data, symbols.size)
   end = time.perf_counter()
   if not np.array_equal(decoded, symbols):
     raise AssertionError("codec roundtrip failed")
@@ -150,7 +151,7 @@ def run(n_symbols: int = 4_000_000, betas: Sequence[float] = (0.5, 1.0, 2.0), se
   "zstd_available" notes whether zstandard was importable (its codecs are skipped if not).
 
   Example:
-    >>> print(format_table(run(n_symbols=100_000, betas=(1.0,), repeats=1)))
+    >>> print(format_table(run(n_symbols=100_000, betas=(1.0,), repeats=1)))  # doctest: +SKIP
   """
   records = []
 
@@ -201,7 +202,7 @@ def format_table(records: list[dict]) -> str:
 
   Example:
     >>> format_table([{"name": "encode_ms/zlib_6/beta=1.0", "value": 9.5, "unit": "ms"}])
-    '| metric | codec | beta=1.0 |\\n|---|---|---|---|\\n| encode_ms (ms) | zlib_6 | 9.5 |'
+    '| metric | codec | beta=1.0 |\\n|---|---|---|\\n| encode_ms (ms) | zlib_6 | 9.5 |'
   """
   columns, rows, others = [], {}, []
   for r in records:

@@ -17,6 +17,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 import numpy as np
 
 from loco_jax.apps import demo_output
+from loco_jax.apps.demo_output import MethodResult
 from loco_jax.train import files
 
 METHODS = ("none", "bf16", "int4-noef", "ef4", "loco4", "loco4-fixed", "co3-fp4", "ef2", "ef3",
@@ -51,8 +52,6 @@ DESCRIPTIONS = {
     "loco3": "LoCo at 3 bits with loco(bits=3)'s defaults: blocks of 256 scaled to 3 x rms "
              "(clipped), 8-bit error, beta=0.8",
 }
-RESULT_KEYS = ("method", "final_loss", "eval_loss", "gradient_bits_per_param",
-               "wire_bits_per_param", "step_time_s")
 AXIS = "data"
 EVAL_SEED = 2024  # the held-out windows do not change with --seed
 _SCALAR_BYTES = 64  # collectives this small carry a loss or a finiteness flag, not the gradient
@@ -88,28 +87,6 @@ class Corpus(NamedTuple):
   train_SxBxL: np.ndarray
   eval_KxBxL: np.ndarray
   source: str
-
-
-class MethodResult(NamedTuple):
-  """One method's run. `as_json` gives the results.json record."""
-  method: str
-  final_loss: float              # mean train loss over the last 10% of steps
-  eval_loss: float               # mean loss on the held-out batches after the last step
-  gradient_bits_per_param: float  # the gradient collective's buffer (payload + scales), from HLO
-  wire_bits_per_param: float      # sent per device per step, every collective, from HLO (co3:
-                                  # the mean over the steps, with the conditional ones run)
-  step_time_s: float             # median wall time of a step (after compilation)
-  losses: list[float]            # train loss of every step
-  compile_s: float
-  state_bytes_per_device: int    # the compressor's state on one device
-  collectives: list[Any]         # comm.Collective of the lowered step
-  co3: dict | None = None        # co3 methods: `co3_record`
-
-  def as_json(self) -> dict[str, Any]:
-    """The results.json record; a diverged (non-finite) loss is null."""
-    finite = lambda v: v if not isinstance(v, float) or math.isfinite(v) else None
-    record = {k: finite(getattr(self, k)) for k in RESULT_KEYS}
-    return record if self.co3 is None else {**record, "co3": self.co3}
 
 
 class DemoError(ValueError):

@@ -6,16 +6,37 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
 from loco_jax.train import files
 
-if TYPE_CHECKING:
-  from loco_jax.apps.demo import MethodResult
-
 OUTPUTS = ("results.json", "loss_curves.csv", "loss_curves.png")
+RESULT_KEYS = ("method", "final_loss", "eval_loss", "gradient_bits_per_param",
+               "wire_bits_per_param", "step_time_s")
+
+
+class MethodResult(NamedTuple):
+  """One method's run. `as_json` gives the results.json record."""
+  method: str
+  final_loss: float              # mean train loss over the last 10% of steps
+  eval_loss: float               # mean loss on the held-out batches after the last step
+  gradient_bits_per_param: float  # the gradient collective's buffer (payload + scales), from HLO
+  wire_bits_per_param: float      # sent per device per step, every collective, from HLO (co3:
+                                  # the mean over the steps, with the conditional ones run)
+  step_time_s: float             # median wall time of a step (after compilation)
+  losses: list[float]            # train loss of every step
+  compile_s: float
+  state_bytes_per_device: int    # the compressor's state on one device
+  collectives: list[Any]         # comm.Collective of the lowered step
+  co3: dict | None = None        # co3 methods: `co3_record`
+
+  def as_json(self) -> dict[str, Any]:
+    """The results.json record; a diverged (non-finite) loss is null."""
+    finite = lambda v: v if not isinstance(v, float) or math.isfinite(v) else None
+    record = {k: finite(getattr(self, k)) for k in RESULT_KEYS}
+    return record if self.co3 is None else {**record, "co3": self.co3}
 
 
 class Progress:

@@ -1,1 +1,1 @@
-"""Codecs: small floats (fp4/fp8), the GenNorm gradient model, Huffman coding (CO3)."""
+"""Codecs the library runs: small floats (fp4/fp8), the GenNorm gradient model, the wire coder."""

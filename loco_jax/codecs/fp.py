@@ -94,7 +94,8 @@ def _decode_table(fmt: FloatFormat) -> np.ndarray:
   return table
 
 
-def _array_module(*arrays: ArrayLike):
+def array_module(*arrays: ArrayLike):
+  """jax.numpy if any of the arrays is a jax array, else numpy."""
   return jnp if any(isinstance(a, jax.Array) for a in arrays) else np
 
 
@@ -126,7 +127,7 @@ def scale_range(fmt: FloatFormat, dtype: Any = np.float32) -> tuple[float, float
   return float(low), float(high)
 
 
-def _check_scale(scale: ArrayLike, fmt: FloatFormat | None = None,
+def check_scale(scale: ArrayLike, fmt: FloatFormat | None = None,
                  dtype: Any = np.float32) -> None:
   """ValueError unless scale is positive, finite and, given fmt, inside scale_range."""
   if isinstance(scale, jax.Array):
@@ -145,10 +146,10 @@ def _check_scale(scale: ArrayLike, fmt: FloatFormat | None = None,
 
 def _scaled(x: ArrayLike, fmt: FloatFormat, scale: ArrayLike):
   """(xp, x in the compute dtype, scale, y = |x| * scale saturated at max, NaN zeroed)."""
-  xp = _array_module(x, scale)
+  xp = array_module(x, scale)
   x = xp.asarray(x)
   compute_dtype = np.float64 if x.dtype == np.float64 else np.float32
-  _check_scale(scale, fmt, compute_dtype)
+  check_scale(scale, fmt, compute_dtype)
   x = x.astype(compute_dtype)
   scale = xp.asarray(scale, compute_dtype)
   # min() saturates +inf (and finite overflow) at max; NaN is zeroed here, restored by callers.
@@ -259,8 +260,8 @@ def decode(symbols: ArrayLike, fmt: FloatFormat, scale: ArrayLike = 1.0) -> Arra
     >>> decode(np.array([1, 13, 5], np.uint8), FP4)
     array([ 0.5, -3. ,  3. ], dtype=float32)
   """
-  _check_scale(scale, fmt)
-  xp = _array_module(symbols, scale)
+  check_scale(scale, fmt)
+  xp = array_module(symbols, scale)
   table = xp.asarray(_decode_table(fmt))
   symbols = xp.asarray(symbols)
   if not xp.issubdtype(symbols.dtype, np.integer):

@@ -7,8 +7,9 @@ from typing import Any, NamedTuple
 
 import jax
 import numpy as np
+from scipy import special
 
-from loco_jax.codecs import fp, gamma
+from loco_jax.codecs import fp
 
 ArrayLike = Any  # numpy or jax array
 
@@ -62,15 +63,16 @@ def cdf(x: ArrayLike, beta: float, alpha: float, loc: float = 0.0) -> np.ndarray
   _check_parameters(beta, alpha, loc)
   with np.errstate(over="ignore"):  # z**beta = inf is the tail: P = 1, Q = 0
     z = (np.asarray(x, np.float64) - loc) / alpha
-    p, q = gamma.gammainc(1.0 / beta, np.abs(z) ** beta)
-  return np.where(z >= 0, 0.5 + 0.5 * p, 0.5 * q)
+    t = np.abs(z) ** beta
+  return np.where(z >= 0, 0.5 + 0.5 * special.gammainc(1.0 / beta, t),
+                  0.5 * special.gammaincc(1.0 / beta, t))
 
 
 def ppf(quantile: ArrayLike, beta: float, alpha: float, loc: float = 0.0) -> np.ndarray:
   """GenNorm quantile function (inverse cdf); 0 and 1 map to -inf and +inf.
 
-  With t = (|x - loc| / alpha)**beta and a = 1 / beta, P(a, t) = |2 quantile - 1|. t is read off
-  a log-log table of P (or of Q in the upper tail) and polished by Newton steps in log t.
+  With t = (|x - loc| / alpha)**beta and a = 1 / beta, P(a, t) = |2 quantile - 1|: t is the
+  inverse of P below the median of |x - loc| and of Q = 1 - P above, whichever is small.
   beta must be in BETA_LIMITS, alpha > 0 and loc finite (ValueError otherwise); quantiles
   outside [0, 1] (or NaN) give NaN.
 
@@ -84,13 +86,22 @@ def ppf(quantile: ArrayLike, beta: float, alpha: float, loc: float = 0.0) -> np.
   p = np.abs(2.0 * quantile - 1.0)
   upper_mass = 2.0 * np.minimum(quantile, 1.0 - quantile)  # 1 - p without cancellation
   solvable = (p > 0) & (upper_mass > 0)
-  t = np.where(upper_mass == 0, np.inf, 0.0)
+  log_t = np.where(upper_mass == 0, np.inf, -np.inf)
   if solvable.any():
-    t[solvable] = gamma.solve_gammainc(a, p[solvable], upper_mass[solvable])
+    log_t[solvable] = _log_gamma_quantile(a, p[solvable], upper_mass[solvable])
   with np.errstate(over="ignore"):  # a quantile beyond float64 is +-inf
-    magnitude = alpha * t ** (1.0 / beta)
+    magnitude = alpha * np.exp(log_t / beta)
   x = loc + np.where(quantile < 0.5, -magnitude, magnitude)
   return np.where((quantile >= 0) & (quantile <= 1), x, np.nan)
+
+
+def _log_gamma_quantile(a: float, p: np.ndarray, q: np.ndarray) -> np.ndarray:
+  """log t with P(a, t) = p and Q(a, t) = q = 1 - p, for 0 < p < 1."""
+  t = np.where(p <= 0.5, special.gammaincinv(a, p), special.gammainccinv(a, q))
+  # Small a puts t below float64 while t**a is not: there P(a, t) ~ t**a / Gamma(a + 1).
+  underflow = t < np.finfo(np.float64).tiny
+  return np.where(underflow, (np.log(p) + special.gammaln(a + 1.0)) / a,
+                  np.log(np.where(underflow, 1.0, t)))
 
 
 def sample(key_or_rng: Any, beta: float, alpha: float, shape: tuple[int, ...],
@@ -199,8 +210,8 @@ def _likelihood_beta(z: np.ndarray, start: float) -> float:
     w = np.exp(b * log_z)
     s0, s1, s2 = w.sum() / n, (w * log_z).sum() / n, (w * log_z * log_z).sum() / n
     r1 = s1 / s0
-    g = b + math.log(b) + math.log(s0) + gamma.digamma(1 / b) - b * r1
-    slope = 1 + 1 / b - gamma.trigamma(1 / b) / b ** 2 - b * (s2 / s0 - r1 * r1)
+    g = b + math.log(b) + math.log(s0) + float(special.digamma(1 / b)) - b * r1
+    slope = 1 + 1 / b - float(special.polygamma(1, 1 / b)) / b ** 2 - b * (s2 / s0 - r1 * r1)
     return g, slope
 
   low, high = BETA_RANGE
@@ -238,7 +249,7 @@ def fp4_scale(beta: ArrayLike, alpha: ArrayLike) -> ArrayLike:
     >>> round(fp4_scale(1.0, 2.0), 3)
     0.325
   """
-  xp = fp._array_module(beta, alpha)  # pylint: disable=protected-access
+  xp = fp.array_module(beta, alpha)
   if xp is np:  # the polynomial is defined at beta = 0; the scale needs alpha > 0
     for name, value, smallest in (("beta", beta, ">= 0"), ("alpha", alpha, "> 0")):
       values = np.asarray(value, np.float64)
@@ -262,12 +273,13 @@ def symbol_probabilities(fmt: fp.FloatFormat, beta: float, alpha: float,
     1.0
   """
   _check_parameters(beta, alpha)
-  fp._check_scale(scale, fmt, np.float64)  # pylint: disable=protected-access
+  fp.check_scale(scale, fmt, np.float64)
   levels = fp.levels(fmt)
   # |x| in [edges[c-1], edges[c]) rounds to magnitude code c (ties have probability 0).
   edges = 0.5 * (levels[1:] + levels[:-1]) / scale
   with np.errstate(over="ignore"):  # an edge beyond float64 is the tail: P = 1, Q = 0
-    p, q = gamma.gammainc(1.0 / beta, (edges / alpha) ** beta)
+    t = (edges / alpha) ** beta
+  p, q = special.gammainc(1.0 / beta, t), special.gammaincc(1.0 / beta, t)
   p, q = np.concatenate([[0.0], p, [1.0]]), np.concatenate([[1.0], q, [0.0]])
   # Differences of whichever of P, Q is small keep tail masses accurate.
   magnitude_mass = np.where(p[:-1] < 0.5, p[1:] - p[:-1], q[:-1] - q[1:])

@@ -53,7 +53,7 @@ def encode(data: np.ndarray) -> bytes:
   if data.dtype != np.uint8:
     raise ValueError(f"huffman_deflate.encode takes uint8 data, got {data.dtype}")
   packer = zlib.compressobj(1, zlib.DEFLATED, -15, MEM_LEVEL, zlib.Z_HUFFMAN_ONLY)
-  header = MAGIC + bytes([VERSION]) + _varint(data.size) + zlib.crc32(data).to_bytes(4, "little")
+  header = MAGIC + bytes([VERSION]) + varint_bytes(data.size) + zlib.crc32(data).to_bytes(4, "little")
   return header + packer.compress(data) + packer.flush()
 
 
@@ -97,7 +97,8 @@ def decode(stream, size: int) -> np.ndarray:
   return np.frombuffer(out, np.uint8)
 
 
-def _varint(value: int) -> bytes:
+def varint_bytes(value: int) -> bytes:
+  """LEB128: seven bits a byte, low first, the top bit set on all but the last."""
   out = bytearray()
   while True:
     byte, value = value & 0x7F, value >> 7

@@ -18,7 +18,7 @@ Entry points: `all_to_all` (row j to device j: a reduce-scatter's first half), `
 and `raw_all_to_all` / `raw_all_gather` with the same results for the uncoded path.
 
 Example (inside jax.shard_map over "data", n devices):
-  >>> coder = transforms.coders.HUFFMAN_DEFLATE                          # doctest: +SKIP
+  >>> coder = codecs.huffman_deflate                                     # doctest: +SKIP
   >>> capacity = slot_bytes(rows.shape[1], 4.0, coder)                   # doctest: +SKIP
   >>> got = all_to_all(rows, side, capacity, coder, "data")              # doctest: +SKIP
   >>> got.rows[s], got.side[s]  # what device s sent here, its side numbers  # doctest: +SKIP
@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from loco_jax.comm import wire
 from loco_jax.comm.hlo import Collective
 from loco_jax.comm.coded_host import (ByteCoder, fill_slots, host_call,  # noqa: F401
-                                      needed_bits_per_byte, read_slots, slot_bytes, tampering)
+                                      needed_bits_per_byte, read_slots, slot_bytes)
 from loco_jax.core import leaves
 from loco_jax.core.layout import AxisName
 

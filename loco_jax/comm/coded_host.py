@@ -1,28 +1,31 @@
 """The host side of the coded exchange: calls into numpy from a step, and the slots' coding.
 
 Callbacks run once per device under shard_map, from several host threads at once: everything
-here is a pure function of its arguments (the coder must be thread-safe too), except the test
-hook `tampering`, which is only read.
+here is a pure function of its arguments (the coder must be thread-safe too).
 """
 
-import contextlib
 import math
-from typing import Callable, Iterator, NamedTuple
+from typing import Callable, Protocol
 
 import jax
 import numpy as np
 from jax.experimental.buffer_callback import buffer_callback
 
 
-class ByteCoder(NamedTuple):
+class ByteCoder(Protocol):
   """A lossless coder of byte rows, run on the host; every function must be thread-safe.
 
-  `decode(stream, size)` must return exactly `size` bytes or raise ValueError: the stream comes
-  from another device and is untrusted (`codecs.huffman_deflate` is one such coder).
+  The module `codecs.huffman_deflate` is one: the exchanges take it as their coder.
   """
-  encode: Callable[[np.ndarray], bytes]         # uint8 [size] -> stream
-  decode: Callable[[memoryview, int], np.ndarray]  # stream, size -> uint8 [size]
-  overhead: Callable[[int], int]                # most bytes a stream spends beyond its payload
+
+  def encode(self, data: np.ndarray) -> bytes:
+    """uint8 [size] -> its stream."""
+
+  def decode(self, stream: memoryview, size: int) -> np.ndarray:
+    """Exactly `size` bytes (uint8) from the stream, or ValueError: peers are untrusted."""
+
+  def overhead(self, size: int) -> int:
+    """The most bytes a stream of `size` bytes spends beyond its payload."""
 
 
 def slot_bytes(size: int, bits_per_byte: float, coder: ByteCoder) -> int:
@@ -54,37 +57,22 @@ def host_call(fn: Callable, result, *args):
   return buffer_callback(run, result)(*args)
 
 
-# A test hook: (sender, destination (-1: all, in a gather), stream) -> the stream sent instead.
-_tamper: list[Callable[[int, int, bytes], bytes]] = []
-
-
-@contextlib.contextmanager
-def tampering(hook: Callable[[int, int, bytes], bytes]) -> Iterator[None]:
-  """Streams coded inside (host side, every device) are replaced by `hook`'s result: for tests
-  of what receivers do with a peer's short, truncated or corrupt stream."""
-  _tamper.append(hook)
-  try:
-    yield
-  finally:
-    _tamper.remove(hook)
-
-
 def fill_slots(rows_NxB: np.ndarray, sender: np.ndarray, capacity: int, coder: ByteCoder,
                skip: int) -> tuple[np.ndarray, np.ndarray]:
   """Codes each row into its slot: (uint8 [N, capacity], int32 [N] stream lengths).
 
   A stream longer than the capacity keeps its true length (the receiver sees the overflow) and
   an empty slot; row `skip` (this device's own, which never crosses the wire; -1: none) is not
-  coded and has length 0.
+  coded and has length 0. Rows are coded in order. `sender` (this device) is not read here:
+  it tells a wrapper of this function which device codes (tests tamper with streams that way).
   """
+  del sender
   slots = np.zeros((rows_NxB.shape[0], capacity), np.uint8)
   lengths = np.zeros(rows_NxB.shape[0], np.int32)
   for j, row in enumerate(rows_NxB):
     if j == skip:
       continue
     stream = coder.encode(row)
-    for hook in _tamper:
-      stream = hook(int(sender), j if skip >= 0 else -1, stream)
     lengths[j] = len(stream)
     if len(stream) <= capacity:
       slots[j, :len(stream)] = np.frombuffer(stream, np.uint8)

@@ -33,15 +33,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from loco_jax.codecs import fp
+from loco_jax.codecs import fp, huffman_deflate
 from loco_jax import comm
 from loco_jax.comm import coded
 from loco_jax.core import layout, leaves, quant
-from loco_jax.transforms import co3_host, coders
+from loco_jax.transforms import co3_host
 
 GATHERS = ("bf16", "coded")
 EXCHANGES = ("auto", "all_to_all", "all_gather")
-CODER = coders.HUFFMAN_DEFLATE
+CODER = huffman_deflate  # the wire coder, a comm.coded.ByteCoder
 
 
 class Co3Settings(NamedTuple):

@@ -23,11 +23,11 @@ import jax.numpy as jnp
 import optax
 
 from loco_jax import kernels
+from loco_jax.codecs import huffman_deflate
 from loco_jax.comm import bucketed, exchange
 from loco_jax.core import args, buckets, leaves, local_blocks, trees, workarounds
 from loco_jax.core.layout import AxisName
 from loco_jax.kernels import feedback
-from loco_jax.transforms import coders
 from loco_jax.transforms.loco_state import GroupState, LocoState, check_state, group_shapes
 from loco_jax.transforms.settings import GATHER_MODES, LocoSettings, resolve
 
@@ -143,7 +143,7 @@ def average(sent: CompressedBuckets, plan: buckets.Plan, old: GroupState, s: Loc
   else:
     means, flags = bucketed.coded_all_to_all_mean(
         sent.packed, sent.scales, s.scale, s.bits, flags, mode.capacity_bits,
-        coders.HUFFMAN_DEFLATE, mode.axis_name)
+        huffman_deflate, mode.axis_name)
   if mode.scatter:
     # No gather follows to bring the flags back replicated: one 4-byte all-reduce does (every
     # device holds the same sum of the peers' flags; n times 0, NaN or inf keeps its meaning).

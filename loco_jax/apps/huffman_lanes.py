@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from loco_jax.codecs.huffman_codes import CHUNK, decode_tables
+from loco_jax.apps.huffman_codes import CHUNK, decode_tables
 
 
 def _bit_windows(payload: np.ndarray, pad_bytes: int) -> np.ndarray:

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from loco_jax.codecs import huffman, huffman_codes
+from loco_jax.apps import huffman, huffman_codes
 
 # Symbols per independently coded lane; decode runs one step per symbol of a lane, all lanes
 # at once. The default matches huffman.py's lanes; fewer symbols a lane means more lanes and

@@ -6,8 +6,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from loco_jax.codecs import huffman_format, huffman_lanes
-from loco_jax.codecs.huffman_codes import (  # entropy_bits: huffman.entropy_bits, as before
+from loco_jax.apps import huffman_format, huffman_lanes
+from loco_jax.apps.huffman_codes import (  # entropy_bits: huffman.entropy_bits, as before
     DEFAULT_MAX_CODE_LENGTH, FLAG_FLOOR, FLAG_MODEL, FLAG_PAIRS, KNOWN_FLAGS, LANE_LETTERS, MAGIC,
     MAX_CODE_LENGTH, ONE_LANE_LETTERS, VERSION, canonical_codes, check_max_code_length,
     check_symbols, code_lengths, entropy_bits, model_code_lengths)  # noqa: F401

@@ -3,7 +3,8 @@ bounds-checked reader whose every shortfall is a ValueError (streams come from p
 
 import numpy as np
 
-from loco_jax.codecs.huffman_codes import LANE_LETTERS, MAX_CODE_LENGTH, ONE_LANE_LETTERS
+from loco_jax.apps.huffman_codes import LANE_LETTERS, MAX_CODE_LENGTH, ONE_LANE_LETTERS
+from loco_jax.codecs.huffman_deflate import varint_bytes
 
 
 def lane_letters_for(n_letters: int) -> int:
@@ -31,15 +32,6 @@ def pack_lanes(lane_letters: int, lane_bits: np.ndarray) -> bytes:
   bits = ((offsets[:, None] >> shifts[None, :]) & np.uint64(1)).astype(np.uint8)
   return (varint_bytes(lane_letters) + varint_bytes(base) + bytes([width])
           + np.packbits(bits.reshape(-1)).tobytes())
-
-
-def varint_bytes(value: int) -> bytes:
-  out = bytearray()
-  while True:
-    byte, value = value & 0x7F, value >> 7
-    out.append(byte | (0x80 if value else 0))
-    if not value:
-      return bytes(out)
 
 
 class Reader:
