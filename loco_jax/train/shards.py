@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from loco_jax import comm
 from loco_jax.comm import wire
-from loco_jax.core import layout, quant
+from loco_jax.core import layout, local_blocks, quant
 from loco_jax.train import mesh as mesh_lib
 from loco_jax.train import sharding
 
@@ -136,12 +136,13 @@ def reduce_scatter(axis_name: layout.AxisName = "data") -> optax.GradientTransfo
   Example:
     >>> opt = reduce_scatter("data")   # then parallel.make_train_step(..., mode="zero2")
   """
-  def update_fn(updates, state, params=None):
-    del params
+  def update_fn(updates, state):
     n = comm.axis_size(axis_name, "reduce_scatter")
     def shard(g):
       rows = layout.shard_rows(g.reshape(-1).astype(jnp.float32),
                                layout.leaf_layout(g.size, n, None))
       return wire.reduce_scatter(rows, axis_name).reshape(-1) / n
     return jax.tree.map(shard, updates), state
-  return optax.GradientTransformation(lambda _: optax.EmptyState(), update_fn)
+  # Each device shards its own block of a model-split leaf, as the master shards hold it.
+  return optax.GradientTransformation(lambda _: optax.EmptyState(), local_blocks.local_update(
+      update_fn, axis_name, flat_output=True, name="reduce_scatter"))
