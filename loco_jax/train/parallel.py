@@ -84,7 +84,7 @@ def setup(params, optimizer: optax.GradientTransformation, mesh: Mesh, *,
   Example:
     >>> s = setup(params, optax.adamw(1e-3), data_mesh(), compressor=loco_jax.loco())
     >>> s.axes.data, s.param_specs["w"]
-    (('data',), PartitionSpec())
+    (('data',), P())
   """
   axes = _checked_axes(mesh, axis_name, mode, compressor)
   gather = _checked_gather(mode, compute_dtype, param_gather, block_size)
@@ -181,15 +181,16 @@ def make_train_step(loss_fn: Callable[[Any, Any], jax.Array],
                    axis_name=axis_name, compute_dtype=compute_dtype, param_gather=param_gather,
                    block_size=block_size)
   jitted = _MODULES[mode].make_step(resolved, loss_fn)
-  axes, checked = resolved.axes, [mode == "fsdp" or not resolved.axes.model]
+  axes, pspecs = resolved.axes, resolved.param_specs
+  placed = (None if mode == "fsdp" or not axes.model else pspecs if mode == "ddp"
+            else sharding.master_specs(pspecs, mesh, axes.data))
 
   def step(state: TrainState, batch):
+    nonlocal placed
     _check_batch(batch, axes.size, axes.name)
-    if not checked[0]:  # once: the state's model split is that of params_like
-      specs = resolved.param_specs if mode == "ddp" else sharding.master_specs(
-          resolved.param_specs, mesh, axes.data)
-      _check_placed(state.params, specs)
-      checked[0] = True
+    if placed is not None:  # once: the state's model split is that of params_like
+      _check_placed(state.params, placed)
+      placed = None
     return jitted(state, batch)
 
   step.jitted = jitted
