@@ -11,8 +11,8 @@ axis). Each device then compresses the block it holds, and nothing crosses those
   (c) Auto axes inside a jax.shard_map that is manual over the data axes only: GSPMD lays the
       leaves out at compile time and a tracer carries no spec. Tell the specs with the
       transformation's `specs=` argument or the `leaf_specs` context manager (PartitionSpecs
-      like the params), and it runs as in (b). Told nothing, the step flattens whole leaves
-      (GSPMD gathers them over the Auto axes) and warns once.
+      like the params; the train steps use `told_specs`), and it runs as in (b). Told nothing,
+      the step flattens whole leaves (GSPMD gathers them over the Auto axes) and warns once.
 A leaf's state follows its layout: flat per-leaf state (a baseline's error) is sharded over all
 the axes the leaf is, P((axes...)); per-group state (LoCo's buckets) over its group's axes; in
 `init` as in `update`.

@@ -79,7 +79,7 @@ def unshard_params(shards: Any, like: Any, axis_name: mesh_lib.AxisNames = "data
     data = mesh_lib.data_axes(mesh, axis_name)
     specs = sharding.param_specs(like, mesh, data)
     if any(a not in data for s in jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
-           for a in sharding.spec_axes(s)):
+           for a in local_blocks.spec_axes(s)):
       blocks = sharding.local_shapes(sharding.shapes_of(like), specs, mesh)
       gather = lambda s, b: jax.lax.all_gather(s, data, tiled=True)[: b.size].reshape(
           b.shape).astype(b.dtype)

@@ -85,7 +85,7 @@ def init_opt_state(optimizer: optax.GradientTransformation, params: Any, mesh: M
   """
   data = mesh_lib.data_axes(mesh, axis_name)
   init = local_blocks.told_specs(optimizer.init, sharding.param_specs(params, mesh, data))
-  specs = sharding.device_state_shapes(init, params, mesh, data)[1]
+  specs = opt_state_specs(optimizer, params, mesh, axis_name)
   run = jax.jit(jax.shard_map(init, mesh=mesh, in_specs=P(), out_specs=specs,
                               axis_names=set(data)))
   return run(params), specs
