@@ -183,7 +183,7 @@ def make_train_step(loss_fn: Callable[[Any, Any], jax.Array],
   jitted = _MODULES[mode].make_step(resolved, loss_fn)
   axes, pspecs = resolved.axes, resolved.param_specs
   placed = (None if mode == "fsdp" or not axes.model else pspecs if mode == "ddp"
-            else sharding.master_specs(pspecs, mesh, axes.data))
+            else sharding.master_specs(pspecs, axes.data))
 
   def step(state: TrainState, batch):
     nonlocal placed

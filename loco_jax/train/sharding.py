@@ -78,7 +78,7 @@ def device_state_shapes(init: Callable, params: Any, mesh: Mesh, data: tuple[str
   device's own blocks, as the train step's nested shard_map gives them, and LoCo's state is
   per group of leaves, split over 'model' or not.
   """
-  axes = data if specs is None else data + mesh_lib.model_axes(mesh, data)
+  axes = data if specs is None else tuple(mesh.axis_names)
   in_specs = P() if specs is None else local_blocks.restrict(specs, axes)
   shapes = local_blocks.shapes_inside(init, mesh_lib.auto_mesh(mesh), (in_specs,), axes, params)
   return shapes, state_specs(shapes, spec_entry(data))
@@ -164,11 +164,11 @@ def gspmd_state_specs(init: Callable, params: Any, specs: Any, mesh: Mesh,
     A leaf shaped like its param is split like it (adam's mu); a per-device field over the data
     axes; the rest replicated.
   """
-  model = mesh_lib.model_axes(mesh, data)
   shapes, data_specs = device_state_shapes(init, shapes_of(params), mesh, data)
   shape_leaves, state_def = jax.tree.flatten(shapes)
   data_leaves = state_def.flatten_up_to(data_specs)
-  if any(spec_axes(d) for d in data_leaves) and (model or not per_device):
+  if any(spec_axes(d) for d in data_leaves) and (len(mesh.shape) > len(data) or not per_device):
+    model = mesh_lib.model_axes(mesh, data)
     where = f"on a mesh with model axes {model}" if model else "with master shards"
     raise ValueError(
         f"the optimizer holds per-device state (a compressor such as loco inside it); {where} "
@@ -183,11 +183,11 @@ def gspmd_state_specs(init: Callable, params: Any, specs: Any, mesh: Mesh,
   return state_def.unflatten(out)
 
 
-def master_specs(specs: Any, mesh: Mesh, data: tuple[str, ...]) -> Any:
-  """zero2's float32 master shards: 1-D, split over the data axes and the param's model axes."""
-  model = mesh_lib.model_axes(mesh, data)
-  return jax.tree.map(lambda s: P(spec_entry(data + tuple(a for a in spec_axes(s) if a in model))),
-                      specs, is_leaf=lambda x: isinstance(x, P))
+def master_specs(specs: Any, data: tuple[str, ...]) -> Any:
+  """zero2's float32 master shards: 1-D, split over the data axes and the param's model axes
+  (`specs`: the params', over the model axes only)."""
+  return jax.tree.map(lambda s: P(spec_entry(data + spec_axes(s))), specs,
+                      is_leaf=lambda x: isinstance(x, P))
 
 
 def train_param_specs(params: Any, mesh: Mesh, axes: mesh_lib.TrainAxes) -> Any:

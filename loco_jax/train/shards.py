@@ -62,7 +62,7 @@ def shard_params(params: Any, mesh: Mesh, axis_name: mesh_lib.AxisNames = "data"
     return rows[jax.lax.axis_index(data)]
   placed = jax.device_put(params, sharding.named(mesh, specs))
   return jax.jit(jax.shard_map(lambda p: jax.tree.map(shard, p), mesh=mesh, in_specs=(specs,),
-                               out_specs=sharding.master_specs(specs, mesh, data)))(placed)
+                               out_specs=sharding.master_specs(specs, data)))(placed)
 
 
 def unshard_params(shards: Any, like: Any, axis_name: mesh_lib.AxisNames = "data") -> Any:
@@ -84,7 +84,7 @@ def unshard_params(shards: Any, like: Any, axis_name: mesh_lib.AxisNames = "data
       gather = lambda s, b: jax.lax.all_gather(s, data, tiled=True)[: b.size].reshape(
           b.shape).astype(b.dtype)
       return jax.jit(jax.shard_map(lambda t: jax.tree.map(gather, t, blocks), mesh=mesh,
-                                   in_specs=(sharding.master_specs(specs, mesh, data),),
+                                   in_specs=(sharding.master_specs(specs, data),),
                                    out_specs=specs, check_vma=False))(shards)  # gathered
   return jax.tree.map(lambda s, x: s[: x.size].reshape(x.shape).astype(x.dtype), shards, like)
 

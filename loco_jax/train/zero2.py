@@ -26,7 +26,7 @@ def state_specs(setup: Setup) -> TrainState:
   gradient."""
   masks.evaluate_on_full_shapes(setup.optimizer)
   mesh, data, pspecs = setup.mesh, setup.axes.data, setup.param_specs
-  master_specs = sharding.master_specs(pspecs, mesh, data)
+  master_specs = sharding.master_specs(pspecs, data)
   master = jax.eval_shape(lambda p: shards.shard_params(p, mesh, data), setup.params)
   opt_init = masks.on_full_shapes(setup.optimizer.init, setup.params)
   return TrainState(
