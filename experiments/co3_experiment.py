@@ -275,7 +275,7 @@ def train(task: Task, method: str, config: Config, seed: int, log: Callable[[str
   compressor = make_compressor(method, config)
   state, specs = parallel.init_train_state(task.params, task.optimizer, mesh,
                                            compressor=compressor)
-  step = parallel.make_train_step(task.loss_fn, task.optimizer, mesh, specs, task.params,
+  step = parallel.make_train_step(task.loss_fn, task.optimizer, mesh, task.params,
                                   compressor=compressor)
   n_params = num_params(task.params)
   # Lowered once: the collectives it runs (the library's HLO accounting), then compiled.

@@ -104,7 +104,7 @@ def main() -> None:
   compressor = loco(axis_name="data", scatter=True)
   state, specs = parallel.init_train_state(params, optimizer, mesh, compressor=compressor,
                                            mode="fsdp")
-  step = parallel.make_train_step(functions, optimizer, mesh, specs, params,
+  step = parallel.make_train_step(functions, optimizer, mesh, params,
                                   compressor=compressor, mode="fsdp",
                                   compute_dtype=jnp.bfloat16)
   for i, batch in enumerate(batches(args.steps)):

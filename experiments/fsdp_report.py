@@ -28,7 +28,7 @@ def measure(mode: str, compressor, **options) -> dict:
     params, loss_fn = fsdp.unstacked(params, model)
   state, specs = parallel.init_train_state(params, optimizer, mesh, compressor=compressor,
                                            mode=mode)
-  step = parallel.make_train_step(loss_fn, optimizer, mesh, specs, params, compressor=compressor,
+  step = parallel.make_train_step(loss_fn, optimizer, mesh, params, compressor=compressor,
                                   mode=mode, **options)
   batch = jnp.zeros((16, CONFIG.seq_len + 1), jnp.int32)
   compiled = step.jitted.lower(state, batch).compile()

@@ -285,7 +285,7 @@ def build(config: LongRunConfig, text: Text) -> Built:
   schedule = make_schedule(config)
   optimizer = optax.adamw(schedule, weight_decay=config.weight_decay)
   state, specs = parallel.init_train_state(params, optimizer, mesh, compressor=compressor)
-  step = parallel.make_train_step(loss_fn, optimizer, mesh, specs, params, compressor=compressor)
+  step = parallel.make_train_step(loss_fn, optimizer, mesh, params, compressor=compressor)
   start = time.perf_counter()
   compiled = step.jitted.lower(state, jnp.asarray(text.batch(0))).compile()
   return Built(state, compiled, schedule, make_eval(loss_fn, mesh, text.eval_KxBxL),

@@ -47,7 +47,7 @@ def run(name, mode, compressor, steps, **kwargs):
   optimizer = optax.adamw(3e-3)
   state, specs = parallel.init_train_state(params0(), optimizer, mesh, compressor=compressor,
                                            mode=mode)
-  step = parallel.make_train_step(loss_fn, optimizer, mesh, specs, params0(),
+  step = parallel.make_train_step(loss_fn, optimizer, mesh, params0(),
                                   compressor=compressor, mode=mode, **kwargs)
   n_params = sum(x.size for x in jax.tree.leaves(params0()))
   found = comm.lowered_collectives(step.jitted, state, next(batches(1)))

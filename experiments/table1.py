@@ -75,7 +75,7 @@ def measure(row: Row, config) -> dict:
   compressor = row.make(config)
   state, specs = parallel.init_train_state(params, optimizer, mesh, compressor=compressor,
                                            mode=row.mode)
-  step = parallel.make_train_step(loss_fn, optimizer, mesh, specs, params,
+  step = parallel.make_train_step(loss_fn, optimizer, mesh, params,
                                   compressor=compressor, mode=row.mode, **row.step_kwargs)
   batch = jnp.zeros((config.global_batch, config.seq_len + 1), jnp.int32)
   text = step.jitted.lower(state, batch).as_text(dialect="hlo")

@@ -111,7 +111,7 @@ compressors = {"float32 all-reduce": baselines.uncompressed(axis_name="data"),
 
 def train_mesh(compressor, steps=STEPS, batch=256):
   state, specs = parallel.init_train_state(params0, optimizer, mesh, compressor=compressor)
-  step = parallel.make_train_step(loss_fn, optimizer, mesh, specs, params0,
+  step = parallel.make_train_step(loss_fn, optimizer, mesh, params0,
                                   compressor=compressor)
   rng, losses = np.random.default_rng(0), []
   for _ in range(steps):

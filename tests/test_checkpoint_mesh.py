@@ -35,7 +35,7 @@ def _zero2(mesh, specs: dict | None):
   optimizer, compressor = optax.adam(1e-2), parallel.reduce_scatter("data")
   state, specs_of_state = parallel.init_train_state(params, optimizer, mesh, mode="zero2",
                                                     compressor=compressor)
-  step = parallel.make_train_step(train_worker.loss_fn, optimizer, mesh, specs_of_state, params,
+  step = parallel.make_train_step(train_worker.loss_fn, optimizer, mesh, params,
                                   compressor=compressor, mode="zero2")
   return state, step, params
 

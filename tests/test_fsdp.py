@@ -47,7 +47,7 @@ def _setup(mode, compressor, config=SMALL, optimizer=None, **kwargs):
     params, loss_fn = fsdp.unstacked(params, model)
   state, specs = parallel.init_train_state(params, optimizer, mesh, compressor=compressor,
                                            mode=mode)
-  step = parallel.make_train_step(loss_fn, optimizer, mesh, specs, params, compressor=compressor,
+  step = parallel.make_train_step(loss_fn, optimizer, mesh, params, compressor=compressor,
                                   mode=mode, **kwargs)
   return state, step
 
@@ -210,7 +210,7 @@ def test_whole_model_fallback_matches_zero2():
     compressor = parallel.reduce_scatter("data")
     state, specs = parallel.init_train_state(params, optimizer, mesh, compressor=compressor,
                                              mode=mode)
-    step = parallel.make_train_step(loss_fn, optimizer, mesh, specs, params,
+    step = parallel.make_train_step(loss_fn, optimizer, mesh, params,
                                     compressor=compressor, mode=mode)
     losses[mode] = []
     for b in batches:
@@ -258,17 +258,17 @@ def test_bad_inputs_raise():
   state, specs = parallel.init_train_state(_layered(), optimizer, mesh, compressor=compressor,
                                            mode="fsdp")
   with pytest.raises(ValueError, match="takes the model as fsdp.LayeredModel"):
-    parallel.make_train_step(_mlp_loss, optimizer, mesh, specs, _layered(),
+    parallel.make_train_step(_mlp_loss, optimizer, mesh, _layered(),
                              compressor=compressor, mode="fsdp")
   with pytest.raises(ValueError, match="block_size .* param_gather='int8'"):
-    parallel.make_train_step(gpt.layered_model(SMALL), optimizer, mesh, specs, _layered(),
+    parallel.make_train_step(gpt.layered_model(SMALL), optimizer, mesh, _layered(),
                              compressor=compressor, mode="fsdp", block_size=256)
   # A compressor with all-reduce semantics returns whole gradients, not this device's shard.
   from loco_jax.transforms import baselines
   mean = baselines.uncompressed(axis_name="data")
   state, specs = parallel.init_train_state(_layered(), optimizer, mesh, compressor=mean,
                                            mode="fsdp")
-  step = parallel.make_train_step(gpt.layered_model(SMALL), optimizer, mesh, specs, _layered(),
+  step = parallel.make_train_step(gpt.layered_model(SMALL), optimizer, mesh, _layered(),
                                   compressor=mean, mode="fsdp")
   with pytest.raises(ValueError, match="reduce-scatter semantics"):
     step(state, next(_batches(1)))
@@ -342,7 +342,7 @@ def test_a_non_finite_gradient_leaves_every_layers_compressor_state_unchanged():
   # The head passes no gradient down: a NaN target makes the head's gradient NaN while every
   # block's and the embed's stay finite (zero, plus their LoCo errors).
   model = model._replace(head=lambda p, h, batch: head(p, jax.lax.stop_gradient(h), batch))
-  step = parallel.make_train_step(model, optimizer, mesh, specs, params, compressor=compressor,
+  step = parallel.make_train_step(model, optimizer, mesh, params, compressor=compressor,
                                   mode="fsdp")
   batch = train_worker.batch(0, mesh)
   state, _ = step(state, batch)

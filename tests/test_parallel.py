@@ -41,7 +41,8 @@ def _train(mode, compressor, optimizer=None, steps=30, **kwargs):
   optimizer = optimizer or optax.adam(1e-2)
   state, specs = parallel.init_train_state(_params(), optimizer, mesh, compressor=compressor,
                                            mode=mode)
-  step = parallel.make_train_step(_loss, optimizer, mesh, specs, _params(),
+  # The step needs the params' shapes only (and their shardings, on a mesh with model axes).
+  step = parallel.make_train_step(_loss, optimizer, mesh, jax.eval_shape(_params),
                                   compressor=compressor, mode=mode, **kwargs)
   losses = []
   for batch in _batches(steps):
@@ -117,7 +118,7 @@ def test_apply_if_finite_after_the_compressor_skips_a_bad_step_everywhere():
   optimizer = optax.apply_if_finite(optax.adam(1e-2), max_consecutive_errors=5)
   compressor = loco(axis_name="data")
   state, specs = parallel.init_train_state(_params(), optimizer, mesh, compressor=compressor)
-  step = parallel.make_train_step(_loss, optimizer, mesh, specs, _params(),
+  step = parallel.make_train_step(_loss, optimizer, mesh, _params(),
                                   compressor=compressor)
   batch = next(_batches(1))
   state, _ = step(state, batch)
@@ -206,9 +207,8 @@ def test_compute_dtype_applies_in_ddp():
 ])
 def test_options_that_would_be_ignored_raise(kwargs, match):
   mesh = parallel.data_mesh(N)
-  specs = parallel.TrainState(None, None, None, None)
   with pytest.raises(ValueError, match=match):
-    parallel.make_train_step(_loss, optax.adam(1e-2), mesh, specs, _params(),
+    parallel.make_train_step(_loss, optax.adam(1e-2), mesh, _params(),
                              compressor=parallel.reduce_scatter("data"), **kwargs)
 
 
@@ -225,7 +225,7 @@ def test_scalar_batch_leaf_and_mismatched_trees_name_the_leaf():
   optimizer = optax.adam(1e-2)
   state, specs = parallel.init_train_state(_params(), optimizer, mesh, compressor=_mean(),
                                            mode="zero2")
-  step = parallel.make_train_step(_loss, optimizer, mesh, specs, _params(), compressor=_mean(),
+  step = parallel.make_train_step(_loss, optimizer, mesh, _params(), compressor=_mean(),
                                   mode="zero2")
   with pytest.raises(ValueError, match=r"leaf \['b1'\] has shape \(64,\), .* has \(8,\)"
                                        r".*reduce-scatter semantics"):

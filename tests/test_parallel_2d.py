@@ -59,7 +59,7 @@ def _train(mesh, params, compressor, optimizer=None, steps=4, mode="ddp", axis_n
   optimizer = optimizer or optax.adam(1e-2)
   state, specs = parallel.init_train_state(params, optimizer, mesh, compressor=compressor,
                                            mode=mode, axis_name=axis_name)
-  step = parallel.make_train_step(loss_fn, optimizer, mesh, specs, params,
+  step = parallel.make_train_step(loss_fn, optimizer, mesh, params,
                                   compressor=compressor, mode=mode, axis_name=axis_name)
   losses = []
   for batch in _batches(steps):
@@ -318,12 +318,14 @@ def test_what_the_builders_cannot_do_raises():
   on_data = jax.device_put(_raw_params(), NamedSharding(mesh, P("data")))
   with pytest.raises(ValueError, match=r"param \['b1'\] is split over the data axis 'data'"):
     parallel.init_train_state(on_data, opt, mesh, compressor=loco(axis_name="data"))
-  _, specs = parallel.init_train_state(_placed(mesh), opt, mesh,
+  state, _ = parallel.init_train_state(_placed(mesh), opt, mesh,
                                        compressor=loco(axis_name="data"))
   other = jax.device_put(_raw_params(), {k: NamedSharding(mesh, s) for k, s in
                                          {**SPECS, "w1": P("model", None)}.items()})
-  with pytest.raises(ValueError, match="not those of params_like's shardings"):
-    parallel.make_train_step(_loss, opt, mesh, specs, other, compressor=loco(axis_name="data"))
+  step = parallel.make_train_step(_loss, opt, mesh, other, compressor=loco(axis_name="data"))
+  with pytest.raises(ValueError, match=r"state.params\['w1'\] is split as .*params_like's "
+                                       r"shardings make it"):
+    step(state, _batches(1)[0])
 
 
 @functools.cache

@@ -58,7 +58,7 @@ def _setup(mode: str, compressor):
     loss_fn = fsdp.LayeredModel(_embed, None, _head)
   state, specs = parallel.init_train_state(params, optimizer, mesh, compressor=compressor,
                                            mode=mode)
-  step = parallel.make_train_step(loss_fn, optimizer, mesh, specs, params,
+  step = parallel.make_train_step(loss_fn, optimizer, mesh, params,
                                   compressor=compressor, mode=mode)
   return state, step
 

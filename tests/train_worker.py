@@ -85,7 +85,7 @@ def build(mode: str, hidden: int, mesh: Mesh) -> tuple[parallel.TrainState, Call
   state, specs = parallel.init_train_state(params, optimizer, mesh, compressor=compressor,
                                            mode=mode)
   step = parallel.make_train_step(layered_model() if mode == "fsdp" else loss_fn, optimizer,
-                                  mesh, specs, params, compressor=compressor, mode=mode)
+                                  mesh, params, compressor=compressor, mode=mode)
   config = {"model": "mlp-regression" + (f"-{LAYERS}-blocks" if mode == "fsdp" else ""),
             "shape": [IN, hidden, OUT], "mode": mode,
             "devices": mesh.size, "optimizer": "adam(1e-2)",

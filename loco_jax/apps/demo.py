@@ -357,7 +357,7 @@ def run_method(name: str, compressor, config: DemoConfig, corpus: Corpus,
   optimizer = optimizer or make_optimizer(config)
   state, specs = parallel.init_train_state(params, optimizer, mesh, compressor=compressor,
                                            mode=mode)
-  step = parallel.make_train_step(loss_fn, optimizer, mesh, specs, params,
+  step = parallel.make_train_step(loss_fn, optimizer, mesh, params,
                                   compressor=compressor, mode=mode, **step_kwargs)
   batches = corpus.train_SxBxL
   start = time.perf_counter()

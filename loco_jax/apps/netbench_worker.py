@@ -142,7 +142,7 @@ def _train(method: str, config, corpus, mesh, interface: str, jax, jnp, P,
   else:
     gather = {} if mode == "ddp" else {"bfloat16": {"compute_dtype": jnp.bfloat16},
                                        "int8": {"param_gather": "int8"}}.get(param_gather, {})
-    step = parallel.make_train_step(loss_fn, optimizer, mesh, specs, params,
+    step = parallel.make_train_step(loss_fn, optimizer, mesh, params,
                                     compressor=compressor, mode=mode, **gather)
   sharding = NamedSharding(mesh, P("data"))
   batches = [jax.make_array_from_callback(b.shape, sharding, lambda idx, b=b: b[idx])

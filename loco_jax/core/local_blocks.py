@@ -11,8 +11,8 @@ axis). Each device then compresses the block it holds, and nothing crosses those
   (c) Auto axes inside a jax.shard_map that is manual over the data axes only: GSPMD lays the
       leaves out at compile time and a tracer carries no spec. Tell the specs with the
       transformation's `specs=` argument or the `leaf_specs` context manager (PartitionSpecs
-      like the params), and it runs as in (b). Told nothing, the step flattens whole leaves
-      (GSPMD gathers them over the Auto axes) and warns once.
+      like the params; the train steps use `told_specs`), and it runs as in (b). Told nothing,
+      the step flattens whole leaves (GSPMD gathers them over the Auto axes) and warns once.
 A leaf's state follows its layout: flat per-leaf state (a baseline's error) is sharded over all
 the axes the leaf is, P((axes...)); per-group state (LoCo's buckets) over its group's axes; in
 `init` as in `update`.
@@ -54,21 +54,44 @@ def leaf_specs(specs: Any):
     _GIVEN_SPECS.reset(token)
 
 
-def spec_axes(spec) -> list[str]:
+def spec_axes(spec) -> tuple[str, ...]:
   """Every mesh axis a PartitionSpec (or None) splits over, in order."""
-  axes = []
-  for entry in tuple(spec) if spec is not None else ():
-    axes += [] if entry is None else [entry] if isinstance(entry, str) else list(entry)
-  return axes
+  return tuple(a for entry in (tuple(spec) if spec is not None else ())
+               for a in entry_axes(entry))
 
 
-def keep_axes(spec, axes: set) -> P:
+def entry_axes(entry) -> tuple[str, ...]:
+  """The mesh axes one entry of a PartitionSpec splits its dimension over."""
+  if entry is None or entry is P.UNCONSTRAINED:
+    return ()
+  return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def spec_entry(axes: tuple[str, ...]):
+  """The PartitionSpec entry that splits a dimension over `axes` (None for none)."""
+  return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
+
+
+def keep_axes(spec, axes) -> P:
   """`spec` with only the axes in `axes`."""
-  entries = []
-  for entry in tuple(spec):
-    names = [a for a in spec_axes(P(entry)) if a in axes]
-    entries.append(None if not names else names[0] if len(names) == 1 else tuple(names))
-  return P(*entries)
+  return P(*[spec_entry(tuple(a for a in entry_axes(e) if a in axes)) for e in tuple(spec)])
+
+
+def restrict(specs: Any, axes) -> Any:
+  """A tree of PartitionSpecs with only the axes in `axes` (what a shard_map manual over them
+  declares)."""
+  return jax.tree.map(lambda s: keep_axes(s, axes), specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def told_specs(fn: Callable, specs: Any) -> Callable:
+  """`fn` run inside `leaf_specs(specs)` where the specs split a leaf; else `fn` itself."""
+  if not any(spec_axes(s) for s in jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))):
+    return fn
+
+  def run(*args, **kwargs):
+    with leaf_specs(specs):
+      return fn(*args, **kwargs)
+  return run
 
 
 class LocalBlocks(NamedTuple):
@@ -166,7 +189,7 @@ def state_specs_on_blocks(state: Any, treedef: Any, blocks: LocalBlocks) -> Any:
   gradient tree follows each leaf (flat, over the leaf's axes); a field that a state class lists
   in `BY_BUCKET` is a dict keyed by `leaves.group_key` (the axes its arrays' leaves are split
   over) and split over those; other arrays with a dimension (per-device statistics) are split
-  over every axis; scalars (step counters) are replicated."""
+  over every axis; scalars (step counters) are replicated. A chain's states: each alike."""
   by_group = getattr(state, "BY_BUCKET", ())
 
   def field(value, name=None):
@@ -182,6 +205,8 @@ def state_specs_on_blocks(state: Any, treedef: Any, blocks: LocalBlocks) -> Any:
     return jax.tree.map(lambda v: P(blocks.axes) if np.ndim(v) else P(), value)
   if isinstance(state, tuple) and hasattr(state, "_fields"):
     return type(state)(*[field(v, name) for v, name in zip(state, state._fields)])
+  if type(state) in (tuple, list) and jax.tree.structure(state) != treedef:  # a chain's
+    return type(state)(state_specs_on_blocks(s, treedef, blocks) for s in state)
   return field(state)
 
 
@@ -192,12 +217,24 @@ def _inside(fn: Callable, axes: tuple[str, ...]) -> Callable:
   return run
 
 
+def on_blocks(fn: Callable, mesh: Any, axes: tuple[str, ...], in_specs: Any,
+              out_specs: Any) -> Callable:
+  """`fn` in a nested jax.shard_map manual over `axes`: it sees each device's own blocks.
+
+  `mesh`: None for the context's (inside a shard_map over other axes). The leaf core sees
+  there which leaves vary over `axes`: their shards keep or skip a step together. No axes: `fn`.
+  """
+  if not axes:
+    return fn
+  return jax.shard_map(_inside(fn, axes), mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                       axis_names=set(axes))
+
+
 def _call_on_blocks(fn: Callable, compiled: dict, blocks: LocalBlocks, in_specs, out_specs,
                     *args):
-  """`fn` on the local blocks: a nested jax.shard_map over `blocks.axes`. Called outside any
-  trace, it is jitted (and kept in `compiled`): an eager shard_map dispatches op by op."""
-  smap = jax.shard_map(_inside(fn, blocks.axes), mesh=blocks.mesh, in_specs=in_specs,
-                       out_specs=out_specs, axis_names=set(blocks.axes))
+  """`fn` on the local blocks (`on_blocks`). Called outside any trace, it is jitted (and kept
+  in `compiled`): an eager shard_map dispatches op by op."""
+  smap = on_blocks(fn, blocks.mesh, blocks.axes, in_specs, out_specs)
   if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args)):
     return smap(*args)
   key = (jax.tree.structure(args), str(in_specs), str(out_specs), blocks.axes, blocks.mesh)

@@ -33,8 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 from loco_jax.core import layout, trees
 from loco_jax.train import masks, sharding, shards, steps
-from loco_jax.train import mesh as mesh_lib
-from loco_jax.train.state import TrainState, opt_state_specs
+from loco_jax.train.state import Setup, TrainState, opt_state_specs
 
 
 class Layered(NamedTuple):
@@ -194,40 +193,37 @@ def _compressor_specs(compressor: optax.GradientTransformation, params: Layered,
       opt_state_specs(compressor, params.head, mesh, axis_name))
 
 
-def init_train_state(params: Layered, optimizer: optax.GradientTransformation, mesh: Mesh,
-                     compressor: optax.GradientTransformation,
-                     axes: mesh_lib.TrainAxes) -> tuple[TrainState, TrainState]:
-  """fsdp's state and its specs (`parallel.init_train_state(mode="fsdp")`).
+def state_specs(setup: Setup) -> TrainState:
+  """Full specs of fsdp's state: master shards, the optimizer state split like them, one
+  compressor state for embed, each layer (stacked) and head."""
+  check_layered(setup.params)
+  masks.evaluate_on_full_shapes(setup.optimizer)
+  mesh, name = setup.mesh, setup.axes.name
+  shard_specs = param_specs(setup.params, name)
+  master = jax.eval_shape(lambda p: shard_params(p, mesh, name), setup.params)
+  opt_init = masks.on_full_shapes(setup.optimizer.init, setup.params)
+  return TrainState(
+      shard_specs, _compressor_specs(setup.compressor, setup.params, mesh, name),
+      sharding.gspmd_state_specs(opt_init, master, shard_specs, mesh, setup.axes.data), P())
 
-  Args:
-    params: the full params, an `fsdp.Layered`.
-    optimizer: applied to the master shards; its callable masks see the full-shaped params.
-    compressor: returns this device's shard of the averaged gradient.
-    mesh, axes: a mesh of one data axis, and its axes.
 
-  Returns:
-    (state, specs): master shards, the optimizer state split like them, one compressor state
-    for embed, each layer (stacked) and head.
-  """
-  check_layered(params)
-  masks.evaluate_on_full_shapes(optimizer)
-  master = shard_params(params, mesh, axes.name)
-  opt_init = masks.on_full_shapes(optimizer.init, sharding.shapes_of(params))
-  shard_specs = param_specs(params, axes.name)
-  specs = TrainState(
-      shard_specs, _compressor_specs(compressor, params, mesh, axes.name),
-      sharding.gspmd_state_specs(opt_init, master, shard_specs, mesh, axes.data), P())
+def init(setup: Setup, params: Layered) -> tuple[TrainState, TrainState]:
+  """fsdp's state on the mesh and its specs (`parallel.init_train_state(mode="fsdp")`); the
+  optimizer's callable masks see the full-shaped params."""
+  specs, compressor = state_specs(setup), setup.compressor
+  master = shard_params(params, setup.mesh, setup.axes.name)
+  opt_init = masks.on_full_shapes(setup.optimizer.init, setup.params)
 
   def compressor_init(full: Layered):
     return Layered(compressor.init(full.embed), _init_stack(compressor, full.blocks),
                    compressor.init(full.head))
 
-  def init(full: Layered, master: Layered):
-    return TrainState(master, steps.over_data(compressor_init, mesh, axes, (P(),),
+  def init_fn(full: Layered, master: Layered):
+    return TrainState(master, steps.over_data(compressor_init, setup, (P(),),
                                               specs.compressor_state)(full),
                       opt_init(master), jnp.zeros([], jnp.int32))
-  full = jax.device_put(params, NamedSharding(mesh, P()))
-  return jax.jit(init, out_shardings=sharding.named(mesh, specs))(full, master), specs
+  full = jax.device_put(params, NamedSharding(setup.mesh, P()))
+  return jax.jit(init_fn, out_shardings=sharding.named(setup.mesh, specs))(full, master), specs
 
 
 def _keep_if_finite(grads: Any, new: Any, old: Any, axis_name: str) -> Any:
@@ -243,29 +239,17 @@ def _keep_if_finite(grads: Any, new: Any, old: Any, axis_name: str) -> Any:
   return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
 
 
-def make_train_step(model: LayeredModel, optimizer: optax.GradientTransformation, mesh: Mesh,
-                    specs: TrainState, params_like: Layered,
-                    compressor: optax.GradientTransformation, axes: mesh_lib.TrainAxes,
-                    gather: shards.ParamGather) -> Callable:
-  """fsdp's jitted `step(state, batch) -> (state, mean loss)` (`parallel.make_train_step`).
-
-  Args:
-    model: the `LayeredModel`.
-    optimizer, compressor, mesh, axes: as given to `init_train_state`.
-    specs: `init_train_state`'s specs.
-    params_like: the `Layered` params given to `init_train_state`.
-    gather: how each unit's params are gathered from the master shards.
-
-  Returns:
-    The jitted step; the batch's leading axis split over the data axis.
-  """
-  stacked = check_layered(params_like, model) > 0
-  like = sharding.shapes_of(params_like)
-  layer_like = _one_layer(params_like.blocks)
+def make_step(setup: Setup, model: LayeredModel) -> Callable:
+  """fsdp's jitted `step(state, batch) -> (state, mean loss)` (`parallel.make_train_step`):
+  each unit's params gathered as `setup.gather` says, the batch's leading axis split over the
+  data axis."""
+  specs, axes, compressor, like = state_specs(setup), setup.axes, setup.compressor, setup.params
+  stacked = check_layered(like, model) > 0
+  layer_like = _one_layer(like.blocks)
   shard_like = local_shard_shapes(like, axes.size)
 
   def gathered(master, leaves_like):
-    full = shards.gather_params(master, leaves_like, axes.name, gather)
+    full = shards.gather_params(master, leaves_like, axes.name, setup.gather)
     # Replicated params would make the vjp psum their gradient in full precision (the
     # transpose of the implicit broadcast); marked varying, each device keeps its own.
     return jax.lax.pcast(full, axes.name, to="varying")
@@ -303,15 +287,6 @@ def make_train_step(model: LayeredModel, optimizer: optax.GradientTransformation
     new_comp = _keep_if_finite(grads, Layered(embed_comp, block_comp, head_comp), comp, axes.name)
     return grads, new_comp, jax.lax.pmean(loss, axes.name)
 
-  sharded_grads = steps.over_data(local_grads, mesh, axes,
-                                  (specs.params, specs.compressor_state, P(axes.name)),
-                                  (specs.params, specs.compressor_state, P()))
-  update = masks.on_full_shapes(optimizer.update, like)
-
-  def step(state: TrainState, batch):
-    grads, compressor_state, loss = sharded_grads(state.params, state.compressor_state, batch)
-    updates, opt_state = update(grads, state.opt_state, state.params)  # GSPMD, on the shards
-    return (TrainState(optax.apply_updates(state.params, updates), compressor_state, opt_state,
-                       state.step + 1), loss)
-
-  return steps.jit_step(step, mesh, (specs, P()))
+  return steps.on_master_shards(
+      steps.over_data(local_grads, setup, (specs.params, specs.compressor_state, P(axes.name)),
+                      (specs.params, specs.compressor_state, P())), setup, specs)

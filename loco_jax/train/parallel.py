@@ -1,12 +1,12 @@
-"""Sharded train steps: `init_train_state` and `make_train_step` check their arguments and hand
-them to the mode's module (train/ddp.py, zero2.py, fsdp.py).
+"""Sharded train steps: `init_train_state` and `make_train_step` resolve their arguments once
+(`setup`) and hand the `Setup` to the mode's module (train/ddp.py, zero2.py, fsdp.py).
 
 Each step is a `jax.shard_map` manual over the data axes. Parameters split over other mesh axes
 (a (data, model) mesh; `NamedSharding` over 'model') keep that sharding: GSPMD runs the model
-over them, and the compressor runs in a nested shard_map over them, so each device compresses
-and sends its own model shard. Meshes, the train state, an optimizer state for a shard_map of
-your own, and the master shards' gathers are re-exported here from train/mesh.py, state.py and
-shards.py.
+over them, and the compressor, told the params' specs (`core.local_blocks`), runs in a nested
+shard_map over them, so each device compresses and sends its own model shard. Meshes, the
+train state, an optimizer state for a shard_map of your own, and the master shards' gathers are
+re-exported here from train/mesh.py, state.py and shards.py.
 """
 
 from typing import Any, Callable
@@ -14,20 +14,22 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 
-from loco_jax.train import ddp, fsdp, zero2
+from loco_jax.train import ddp, fsdp, sharding, zero2
 from loco_jax.train.mesh import (AxisNames, TrainAxes, data_mesh, initialize, node_mesh,
                                  train_axes)
 from loco_jax.train.shards import (PARAM_GATHERS, ParamGather, reduce_scatter, shard_params,
                                    unshard_params)
-from loco_jax.train.state import TrainState, init_opt_state, opt_state_specs
+from loco_jax.train.state import Setup, TrainState, init_opt_state, opt_state_specs
 
-__all__ = ["MODES", "PARAM_GATHERS", "TrainState", "data_mesh", "node_mesh", "initialize",
-           "init_opt_state", "opt_state_specs", "shard_params", "unshard_params",
-           "init_train_state", "make_train_step", "reduce_scatter"]
+__all__ = ["MODES", "PARAM_GATHERS", "Setup", "TrainState", "data_mesh", "node_mesh",
+           "initialize", "init_opt_state", "opt_state_specs", "shard_params", "unshard_params",
+           "setup", "init_train_state", "make_train_step", "reduce_scatter"]
 
 MODES = ("ddp", "zero2", "fsdp")
+# Each mode module: init(setup, params) -> (state, specs), make_step(setup, loss_fn) -> jitted.
+_MODULES = {"ddp": ddp, "zero2": zero2, "fsdp": fsdp}
 
 
 def _checked_axes(mesh: Mesh, axis_name: AxisNames, mode: str, compressor) -> TrainAxes:
@@ -71,6 +73,25 @@ def _checked_gather(mode: str, compute_dtype, param_gather: str,
   return ParamGather(compute_dtype, param_gather, block_size)
 
 
+def setup(params, optimizer: optax.GradientTransformation, mesh: Mesh, *,
+          compressor: optax.GradientTransformation | None = None, mode: str = "ddp",
+          axis_name: AxisNames = "data", compute_dtype=jnp.float32,
+          param_gather: str = "compute", block_size: int | None = None) -> Setup:
+  """The arguments of `init_train_state` / `make_train_step`, checked and resolved once: the
+  mesh's data and model axes, the params' shapes and specs, the gather. A ValueError for a
+  mode this mesh or compressor cannot run, or an option that would be ignored.
+
+  Example:
+    >>> s = setup(params, optax.adamw(1e-3), data_mesh(), compressor=loco_jax.loco())
+    >>> s.axes.data, s.param_specs["w"]
+    (('data',), P())
+  """
+  axes = _checked_axes(mesh, axis_name, mode, compressor)
+  gather = _checked_gather(mode, compute_dtype, param_gather, block_size)
+  return Setup(mesh, axes, optimizer, compressor or optax.identity(), sharding.shapes_of(params),
+               sharding.train_param_specs(params, mesh, axes), gather)
+
+
 def init_train_state(params, optimizer: optax.GradientTransformation, mesh: Mesh, *,
                      compressor: optax.GradientTransformation | None = None,
                      mode: str = "ddp", axis_name: AxisNames = "data"):
@@ -96,12 +117,8 @@ def init_train_state(params, optimizer: optax.GradientTransformation, mesh: Mesh
     on them, about 1/N of ddp's a device. The compressor's per-device state is split over the
     data axes and the leaf's model axes: each device compresses its own model shard.
   """
-  axes = _checked_axes(mesh, axis_name, mode, compressor)
-  if mode == "fsdp":
-    return fsdp.init_train_state(params, optimizer, mesh, compressor, axes)
-  builder = ddp if mode == "ddp" else zero2
-  return builder.init_train_state(params, optimizer, mesh, compressor or optax.identity(), axes,
-                                  axis_name)
+  return _MODULES[mode].init(setup(params, optimizer, mesh, compressor=compressor, mode=mode,
+                                    axis_name=axis_name), params)
 
 
 def _check_batch(batch: Any, size: int, axis_name: AxisNames) -> None:
@@ -116,9 +133,20 @@ def _check_batch(batch: Any, size: int, axis_name: AxisNames) -> None:
                        f"the {size} devices of axis {axis_name!r}")
 
 
+def _check_placed(params: Any, specs: Any) -> None:
+  """A ValueError where `params` (a train state's) are split otherwise than `specs` say."""
+  for (path, x), spec in zip(jax.tree_util.tree_flatten_with_path(params)[0],
+                             jax.tree.structure(params).flatten_up_to(specs)):
+    placed = getattr(x, "sharding", None)
+    if isinstance(placed, NamedSharding) and not sharding.same_specs(placed.spec, spec):
+      raise ValueError(f"state.params{jax.tree_util.keystr(path)} is split as {placed.spec}, "
+                       f"params_like's shardings make it {spec}: pass as params_like the params "
+                       f"given to init_train_state, placed with the same NamedShardings")
+
+
 def make_train_step(loss_fn: Callable[[Any, Any], jax.Array],
-                    optimizer: optax.GradientTransformation, mesh: Mesh, specs: TrainState,
-                    params_like, *, compressor: optax.GradientTransformation | None = None,
+                    optimizer: optax.GradientTransformation, mesh: Mesh, params_like, *,
+                    compressor: optax.GradientTransformation | None = None,
                     mode: str = "ddp", axis_name: AxisNames = "data",
                     compute_dtype=jnp.float32, param_gather: str = "compute",
                     block_size: int | None = None):
@@ -128,8 +156,8 @@ def make_train_step(loss_fn: Callable[[Any, Any], jax.Array],
     loss_fn: `loss_fn(params, batch) -> scalar`, run under GSPMD over the model axes on params
       split as `params_like`'s NamedShardings say. mode="fsdp": an `fsdp.LayeredModel`.
     optimizer, mesh, compressor, mode, axis_name: as given to `init_train_state`.
-    specs: `init_train_state`'s specs.
-    params_like: the params given to `init_train_state`, placed alike.
+    params_like: the params given to `init_train_state` (or their shapes), placed alike: the
+      step's specs are resolved from them as `init_train_state` resolves its own.
     compute_dtype: the float dtype the model computes in (ddp casts its params to it; zero2
       and fsdp gather them in it).
     param_gather: zero2 and fsdp: "compute" (gather in `compute_dtype`) or "int8" (int8 with
@@ -145,24 +173,24 @@ def make_train_step(loss_fn: Callable[[Any, Any], jax.Array],
     >>> loss_fn = lambda p, batch: jnp.mean((batch @ p["w"] + p["b"]) ** 2)
     >>> state, specs = init_train_state(params, optax.adamw(1e-3), mesh,
     ...                                 compressor=compressor)
-    >>> step = make_train_step(loss_fn, optax.adamw(1e-3), mesh, specs, params,
+    >>> step = make_train_step(loss_fn, optax.adamw(1e-3), mesh, params,
     ...                        compressor=compressor)
     >>> state, loss = step(state, jnp.ones((16, 4)))   # 16 rows: 2 on each of 8 devices
   """
-  axes = _checked_axes(mesh, axis_name, mode, compressor)
-  gather = _checked_gather(mode, compute_dtype, param_gather, block_size)
-  if mode == "fsdp":
-    jitted = fsdp.make_train_step(loss_fn, optimizer, mesh, specs, params_like, compressor,
-                                  axes, gather)
-  elif mode == "zero2":
-    jitted = zero2.make_train_step(loss_fn, optimizer, mesh, specs, params_like, compressor,
-                                   axes, axis_name, gather)
-  else:
-    jitted = ddp.make_train_step(loss_fn, optimizer, mesh, specs, params_like,
-                                 compressor or optax.identity(), axes, axis_name, compute_dtype)
+  resolved = setup(params_like, optimizer, mesh, compressor=compressor, mode=mode,
+                   axis_name=axis_name, compute_dtype=compute_dtype, param_gather=param_gather,
+                   block_size=block_size)
+  jitted = _MODULES[mode].make_step(resolved, loss_fn)
+  axes, pspecs = resolved.axes, resolved.param_specs
+  placed = (None if mode == "fsdp" or not axes.model else pspecs if mode == "ddp"
+            else sharding.master_specs(pspecs, axes.data))
 
   def step(state: TrainState, batch):
-    _check_batch(batch, axes.size, axis_name)
+    nonlocal placed
+    _check_batch(batch, axes.size, axes.name)
+    if placed is not None:  # once: the state's model split is that of params_like
+      _check_placed(state.params, placed)
+      placed = None
     return jitted(state, batch)
 
   step.jitted = jitted

@@ -2,9 +2,10 @@
 
 A train step is manual (`jax.shard_map`) over the data axes only. Parameters keep the model
 sharding the user gave them (`NamedSharding` over the other axes); a compressor runs in a nested
-shard_map over the model axes, so each device compresses its own model shard, and its
-per-device state is split over the data axes and over the model axes of the leaf it belongs to.
-Every spec here is a full spec on the mesh; `restrict` keeps the part one shard_map declares.
+shard_map over the model axes (`core.local_blocks`, told the params' specs), so each device
+compresses its own model shard, and its per-device state is split over the data axes and over
+the model axes of the leaf it belongs to. Every spec here is a full spec on the mesh;
+`local_blocks.restrict` keeps the part one shard_map declares.
 """
 
 from typing import Any, Callable
@@ -14,31 +15,10 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from loco_jax.core import leaves as leaves_lib
 from loco_jax.core import local_blocks
+from loco_jax.core.local_blocks import entry_axes, spec_axes, spec_entry
 from loco_jax.train import mesh as mesh_lib
 from loco_jax.transforms.specs import state_specs
-
-
-def _axes(entry) -> tuple[str, ...]:
-  if entry is None or entry is P.UNCONSTRAINED:
-    return ()
-  return (entry,) if isinstance(entry, str) else tuple(entry)
-
-
-def _entry(axes: tuple[str, ...]):
-  return None if not axes else axes[0] if len(axes) == 1 else axes
-
-
-def spec_axes(spec: P) -> tuple[str, ...]:
-  """Every mesh axis a PartitionSpec splits over, in order."""
-  return tuple(a for entry in spec for a in _axes(entry))
-
-
-def restrict(specs: Any, names: tuple[str, ...]) -> Any:
-  """The specs with only the axes in `names` (what a shard_map manual over `names` declares)."""
-  keep = lambda spec: P(*[_entry(tuple(a for a in _axes(e) if a in names)) for e in spec])
-  return jax.tree.map(keep, specs, is_leaf=lambda x: isinstance(x, P))
 
 
 def named(mesh: Mesh, specs: Any) -> Any:
@@ -75,7 +55,7 @@ def local_shapes(like: Any, specs: Any, mesh: Mesh) -> Any:
   def block(x, spec):
     shape = list(x.shape)
     for dim, entry in enumerate(spec):
-      parts = mesh_lib.axes_size(mesh, _axes(entry))
+      parts = mesh_lib.axes_size(mesh, entry_axes(entry))
       if shape[dim] % parts:
         raise ValueError(f"a param of shape {tuple(x.shape)} split as {spec} has dimension "
                          f"{dim} of {shape[dim]}, not divisible by its {parts} devices")
@@ -98,10 +78,10 @@ def device_state_shapes(init: Callable, params: Any, mesh: Mesh, data: tuple[str
   device's own blocks, as the train step's nested shard_map gives them, and LoCo's state is
   per group of leaves, split over 'model' or not.
   """
-  axes = data if specs is None else data + mesh_lib.model_axes(mesh, data)
-  in_specs = P() if specs is None else restrict(specs, axes)
+  axes = data if specs is None else tuple(mesh.axis_names)
+  in_specs = P() if specs is None else local_blocks.restrict(specs, axes)
   shapes = local_blocks.shapes_inside(init, mesh_lib.auto_mesh(mesh), (in_specs,), axes, params)
-  return shapes, state_specs(shapes, _entry(data))
+  return shapes, state_specs(shapes, spec_entry(data))
 
 
 def _with_param_index(tree: Any, params_like: Any) -> list[int | None]:
@@ -134,34 +114,17 @@ def same_specs(a: Any, b: Any) -> bool:
 
 def _combine(model_spec: P, leaf_data: tuple[str, ...]) -> P:
   """`model_spec` with the data axes `leaf_data` in front of its dimension 0."""
-  first = _axes(model_spec[0]) if len(model_spec) else ()
-  return _trim(P(_entry(leaf_data + first), *model_spec[1:]))
-
-
-def _bucket_axes(state: Any) -> list[tuple[str, ...] | None]:
-  """For each leaf of `state` (in jax.tree.leaves order): the axes its group's leaves are split
-  over where it is an array of a field that its state class lists in `BY_BUCKET` (a dict keyed
-  by `leaves.group_key`), else None."""
-  out = []
-  for node in jax.tree.leaves(state, is_leaf=lambda n: hasattr(n, "BY_BUCKET")):
-    if not hasattr(node, "BY_BUCKET"):
-      out.append(None)
-      continue
-    for name, value in zip(node._fields, node):
-      if name in node.BY_BUCKET and value is not None:
-        for key in sorted(value):  # a dict's leaves come in sorted key order
-          out += [leaves_lib.key_axes(key)] * len(jax.tree.leaves(value[key]))
-      else:
-        out += [None] * len(jax.tree.leaves(value))
-  return out
+  first = entry_axes(model_spec[0]) if len(model_spec) else ()
+  return _trim(P(spec_entry(leaf_data + first), *model_spec[1:]))
 
 
 def local_state_specs(init: Callable, params: Any, specs: Any, mesh: Mesh,
                       data: tuple[str, ...]) -> Any:
-  """Full specs of the state `init` makes from each device's own block of `params`.
+  """Full specs of the state `init` makes where a train step runs it: in a shard_map manual over
+  the data axes, told the params' `specs` (`local_blocks.told_specs`).
 
   Args:
-    init: a transformation's init, run where the train step runs its update.
+    init: a transformation's init.
     params: the full-shaped params (arrays or ShapeDtypeStructs).
     specs: the params' full specs on the mesh.
     mesh: the train step's mesh.
@@ -169,32 +132,18 @@ def local_state_specs(init: Callable, params: Any, specs: Any, mesh: Mesh,
 
   Returns:
     Per device over the data axes: the fields `state_specs` names (LoCo's errors). Over the
-    model axes: a leaf shaped like its param's block is split like the param; any other array
-    of a model-split param (a flat error per leaf) is split over the param's model axes on
-    dimension 0; LoCo's buckets over the model axes their group of leaves is split over; an
-    array of no param over every model axis (each device keeps its own); scalars replicated.
+    model axes: as `local_blocks` lays the state out on each device's own blocks
+    (`local_blocks.state_specs_on_blocks`). Both on dimension 0.
   """
-  model = mesh_lib.model_axes(mesh, data)
-  spec_leaves = jax.tree.structure(params).flatten_up_to(specs)
-  blocks = jax.tree.leaves(local_shapes(shapes_of(params), specs, mesh))
-  shapes, data_specs = device_state_shapes(init, shapes_of(params), mesh, data, specs)
-  shape_leaves, state_def = jax.tree.flatten(shapes)
-  out = []
-  for x, d, i, group in zip(shape_leaves, state_def.flatten_up_to(data_specs),
-                            _with_param_index(shapes, params), _bucket_axes(shapes)):
-    if not x.ndim:
-      out.append(d)
-      continue
-    if group is not None:  # per group of leaves: split over the model axes its leaves are
-      model_spec = P(_entry(tuple(a for a in model if a in group)))
-    elif i is None:
-      model_spec = P(_entry(model))
-    elif x.shape == blocks[i].shape:
-      model_spec = restrict(spec_leaves[i], model)
-    else:
-      model_spec = P(_entry(tuple(a for a in spec_axes(spec_leaves[i]) if a in model)))
-    out.append(_combine(model_spec, spec_axes(d)))
-  return state_def.unflatten(out)
+  like = shapes_of(params)
+  shapes, data_specs = device_state_shapes(init, like, mesh, data, specs)
+  with jax.sharding.use_abstract_mesh(mesh_lib.auto_mesh(mesh).abstract_mesh):
+    blocks = local_blocks.find_blocks(like, data, specs, "the train step")
+  is_spec = lambda x: isinstance(x, P)
+  model_specs = (jax.tree.map(lambda _: P(), shapes) if blocks is None else
+                 local_blocks.state_specs_on_blocks(shapes, jax.tree.structure(like), blocks))
+  return jax.tree.map(lambda m, d: _combine(m, spec_axes(d)), model_specs, data_specs,
+                      is_leaf=is_spec)
 
 
 def gspmd_state_specs(init: Callable, params: Any, specs: Any, mesh: Mesh,
@@ -215,16 +164,16 @@ def gspmd_state_specs(init: Callable, params: Any, specs: Any, mesh: Mesh,
     A leaf shaped like its param is split like it (adam's mu); a per-device field over the data
     axes; the rest replicated.
   """
-  model = mesh_lib.model_axes(mesh, data)
   shapes, data_specs = device_state_shapes(init, shapes_of(params), mesh, data)
   shape_leaves, state_def = jax.tree.flatten(shapes)
   data_leaves = state_def.flatten_up_to(data_specs)
-  if any(spec_axes(d) for d in data_leaves) and (model or not per_device):
+  if any(spec_axes(d) for d in data_leaves) and (len(mesh.shape) > len(data) or not per_device):
+    model = mesh_lib.model_axes(mesh, data)
     where = f"on a mesh with model axes {model}" if model else "with master shards"
     raise ValueError(
         f"the optimizer holds per-device state (a compressor such as loco inside it); {where} "
         f"pass the averaging transformation as compressor= and the rest as the optimizer, e.g. "
-        f"compressor=loco(axis_name={_entry(data)!r}), optimizer=optax.adamw(...), so that it "
+        f"compressor=loco(axis_name={spec_entry(data)!r}), optimizer=optax.adamw(...), so that it "
         f"compresses each device's own shard")
   leaves, treedef = jax.tree.flatten(params)
   spec_leaves = treedef.flatten_up_to(specs)
@@ -234,15 +183,14 @@ def gspmd_state_specs(init: Callable, params: Any, specs: Any, mesh: Mesh,
   return state_def.unflatten(out)
 
 
-def master_specs(specs: Any, mesh: Mesh, data: tuple[str, ...]) -> Any:
-  """zero2's float32 master shards: 1-D, split over the data axes and the param's model axes."""
-  model = mesh_lib.model_axes(mesh, data)
-  return jax.tree.map(lambda s: P(_entry(data + tuple(a for a in spec_axes(s) if a in model))),
-                      specs, is_leaf=lambda x: isinstance(x, P))
+def master_specs(specs: Any, data: tuple[str, ...]) -> Any:
+  """zero2's float32 master shards: 1-D, split over the data axes and the param's model axes
+  (`specs`: the params', over the model axes only)."""
+  return jax.tree.map(lambda s: P(spec_entry(data + spec_axes(s))), specs,
+                      is_leaf=lambda x: isinstance(x, P))
 
 
-def train_param_specs(params: Any, mesh: Mesh, axes: mesh_lib.TrainAxes,
-                      axis_name: mesh_lib.AxisNames) -> Any:
+def train_param_specs(params: Any, mesh: Mesh, axes: mesh_lib.TrainAxes) -> Any:
   """The params' specs (`param_specs`); a ValueError for a model axis that splits none of
   them, along which every device would repeat the same work on the same batch."""
   specs = param_specs(params, mesh, axes.data)
@@ -251,7 +199,7 @@ def train_param_specs(params: Any, mesh: Mesh, axes: mesh_lib.TrainAxes,
   idle = [a for a in axes.model if a not in used and mesh.shape[a] > 1]
   if idle:
     averaged = tuple(a for a in mesh.axis_names if a in axes.data or a in idle)
-    raise ValueError(f"mesh axis {idle[0]!r} is not in axis_name={axis_name!r} and splits no "
+    raise ValueError(f"mesh axis {idle[0]!r} is not in axis_name={axes.name!r} and splits no "
                      f"param, so every device along it would repeat the same work: average over "
                      f"it too (axis_name={averaged!r}) or split params over it "
                      f"(NamedSharding(mesh, P(None, {idle[0]!r})))")

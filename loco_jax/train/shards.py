@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from loco_jax import comm
 from loco_jax.comm import wire
-from loco_jax.core import layout, quant
+from loco_jax.core import layout, local_blocks, quant
 from loco_jax.train import mesh as mesh_lib
 from loco_jax.train import sharding
 
@@ -62,7 +62,7 @@ def shard_params(params: Any, mesh: Mesh, axis_name: mesh_lib.AxisNames = "data"
     return rows[jax.lax.axis_index(data)]
   placed = jax.device_put(params, sharding.named(mesh, specs))
   return jax.jit(jax.shard_map(lambda p: jax.tree.map(shard, p), mesh=mesh, in_specs=(specs,),
-                               out_specs=sharding.master_specs(specs, mesh, data)))(placed)
+                               out_specs=sharding.master_specs(specs, data)))(placed)
 
 
 def unshard_params(shards: Any, like: Any, axis_name: mesh_lib.AxisNames = "data") -> Any:
@@ -79,12 +79,12 @@ def unshard_params(shards: Any, like: Any, axis_name: mesh_lib.AxisNames = "data
     data = mesh_lib.data_axes(mesh, axis_name)
     specs = sharding.param_specs(like, mesh, data)
     if any(a not in data for s in jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
-           for a in sharding.spec_axes(s)):
+           for a in local_blocks.spec_axes(s)):
       blocks = sharding.local_shapes(sharding.shapes_of(like), specs, mesh)
       gather = lambda s, b: jax.lax.all_gather(s, data, tiled=True)[: b.size].reshape(
           b.shape).astype(b.dtype)
       return jax.jit(jax.shard_map(lambda t: jax.tree.map(gather, t, blocks), mesh=mesh,
-                                   in_specs=(sharding.master_specs(specs, mesh, data),),
+                                   in_specs=(sharding.master_specs(specs, data),),
                                    out_specs=specs, check_vma=False))(shards)  # gathered
   return jax.tree.map(lambda s, x: s[: x.size].reshape(x.shape).astype(x.dtype), shards, like)
 
@@ -136,12 +136,13 @@ def reduce_scatter(axis_name: layout.AxisName = "data") -> optax.GradientTransfo
   Example:
     >>> opt = reduce_scatter("data")   # then parallel.make_train_step(..., mode="zero2")
   """
-  def update_fn(updates, state, params=None):
-    del params
+  def update_fn(updates, state):
     n = comm.axis_size(axis_name, "reduce_scatter")
     def shard(g):
       rows = layout.shard_rows(g.reshape(-1).astype(jnp.float32),
                                layout.leaf_layout(g.size, n, None))
       return wire.reduce_scatter(rows, axis_name).reshape(-1) / n
     return jax.tree.map(shard, updates), state
-  return optax.GradientTransformation(lambda _: optax.EmptyState(), update_fn)
+  # Each device shards its own block of a model-split leaf, as the master shards hold it.
+  return optax.GradientTransformation(lambda _: optax.EmptyState(), local_blocks.local_update(
+      update_fn, axis_name, flat_output=True, name="reduce_scatter"))

@@ -1,4 +1,5 @@
-"""Train states, and an optimizer's state on a mesh for a shard_map step of your own."""
+"""Train states, the setup a train step is built from, and an optimizer's state on a mesh for a
+shard_map step of your own."""
 
 from typing import Any, NamedTuple
 
@@ -10,6 +11,7 @@ from jax.sharding import PartitionSpec as P
 from loco_jax.core import local_blocks
 from loco_jax.train import mesh as mesh_lib
 from loco_jax.train import sharding
+from loco_jax.train.shards import ParamGather
 
 
 class TrainState(NamedTuple):
@@ -25,17 +27,17 @@ class TrainState(NamedTuple):
   step: jax.Array
 
 
-def _told_init(optimizer: optax.GradientTransformation, specs: Any):
-  """`optimizer.init`, told the params' specs (`local_blocks.leaf_specs`) where they split them
-  over model axes: transformations then keep state for each device's own blocks."""
-  if not any(sharding.spec_axes(s) for s in jax.tree.leaves(
-      specs, is_leaf=lambda x: isinstance(x, P))):
-    return optimizer.init
-
-  def init(params):
-    with local_blocks.leaf_specs(specs):
-      return optimizer.init(params)
-  return init
+class Setup(NamedTuple):
+  """A train step's arguments, resolved once (`parallel.setup`) and handed to the mode's module
+  (ddp.py, zero2.py, fsdp.py), whose `init(setup, params)` and `make_step(setup, loss_fn)` read
+  them from here."""
+  mesh: Mesh                                  # the user's mesh
+  axes: mesh_lib.TrainAxes                    # averaged over by hand (data) or by GSPMD (model)
+  optimizer: optax.GradientTransformation     # on the averaged gradient
+  compressor: optax.GradientTransformation    # averages over the data axes
+  params: Any                                 # the full params' shapes (ShapeDtypeStructs)
+  param_specs: Any                            # their full specs: over the model axes only
+  gather: ParamGather                         # the compute dtype; zero2, fsdp: the gather
 
 
 def opt_state_specs(optimizer: optax.GradientTransformation, params: Any, mesh: Mesh,
@@ -54,7 +56,7 @@ def opt_state_specs(optimizer: optax.GradientTransformation, params: Any, mesh: 
     with `specs=`, or told the params' NamedShardings: LoCo's buckets per group of leaves.
   """
   data = mesh_lib.data_axes(mesh, axis_name)
-  init = _told_init(optimizer, sharding.param_specs(params, mesh, data))
+  init = local_blocks.told_specs(optimizer.init, sharding.param_specs(params, mesh, data))
   return sharding.device_state_shapes(init, params, mesh, data)[1]
 
 
@@ -82,8 +84,8 @@ def init_opt_state(optimizer: optax.GradientTransformation, params: Any, mesh: M
     True
   """
   data = mesh_lib.data_axes(mesh, axis_name)
-  init = _told_init(optimizer, sharding.param_specs(params, mesh, data))
-  specs = sharding.device_state_shapes(init, params, mesh, data)[1]
+  init = local_blocks.told_specs(optimizer.init, sharding.param_specs(params, mesh, data))
+  specs = opt_state_specs(optimizer, params, mesh, axis_name)
   run = jax.jit(jax.shard_map(init, mesh=mesh, in_specs=P(), out_specs=specs,
                               axis_names=set(data)))
   return run(params), specs
