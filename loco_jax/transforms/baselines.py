@@ -13,10 +13,9 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
-from loco_jax.comm import exchange
+from loco_jax.comm import gathers
 from loco_jax.core import args, leaves, local_blocks, quant, trees
 from loco_jax.core.layout import AxisName
 from loco_jax.transforms import baseline_codecs
@@ -56,14 +55,14 @@ def _flat_zeros(params: Any) -> Any:
       lambda x: jnp.zeros((x.size if leaves.compressible(x) else 0,), jnp.float32), params)
 
 
-def _feedback_finish(grads: leaves.Leaves, exchange_group, fields: list) -> tuple[Any, list]:
-  """Runs `exchange_group(grads, flag, fields)` -> (values, new fields, flags) on each group of
+def _feedback_finish(grads: leaves.Leaves, average_group, fields: list) -> tuple[Any, list]:
+  """Runs `average_group(grads, flag, fields)` -> (values, new fields, flags) on each group of
   leaves (the group's flat gradients and fields); returns the update and the fields per leaf,
   the old ones wherever some gradient was not finite."""
   old = [grads.per_leaf(f) for f in fields]
 
   def step(group: leaves.Group) -> leaves.GroupResult:
-    values, new, flags = exchange_group(
+    values, new, flags = average_group(
         [grads.flat(i) for i in group.indices], leaves.flag(grads.finite(group.indices)),
         [[f[i] for i in group.indices] for f in old])
     return leaves.GroupResult(lambda: values, flags, new)
@@ -90,10 +89,10 @@ def _all_reduce(wire_dtype, axis_name: AxisName | None,
     if axis_name is not None and wire:
       # The sum inside a mean overflows for finite gradients near the maximum; the mean of
       # x / 2**k (2**k >= n) cannot, and times 2**k it is the same number (powers of two: exact).
-      down = quant.mean_factors(exchange.axis_size(axis_name, name))[0]
+      down = quant.mean_factors(gathers.axis_size(axis_name, name))[0]
       wire = [x * jnp.asarray(down, x.dtype) for x in wire]
-      # 16-bit floats: a mean that crosses at 16 bits on every backend (exchange.mean_16bit).
-      wire = (exchange.mean_16bit(wire, axis_name) if wire[0].dtype == jnp.bfloat16
+      # 16-bit floats: a mean that crosses at 16 bits on every backend (gathers.mean_16bit).
+      wire = (gathers.mean_16bit(wire, axis_name) if wire[0].dtype == jnp.bfloat16
               else jax.lax.pmean(wire, axis_name))
       wire = [x * jnp.asarray(1 / down, x.dtype) for x in wire]
     out = list(grads)
@@ -127,7 +126,7 @@ def bf16(axis_name: AxisName | None = None) -> optax.GradientTransformationExtra
   Without an axis it rounds every float gradient to bfloat16 (PyTorch DDP's bf16 hook). With
   one, a bf16 all-reduce where the backend moves bf16 as is (GPU, TPU); on CPU, whose
   collectives would widen it to 32 bits, the same 16 bits a value as uint16 all-to-all, float32
-  sum and uint16 all-gather (`exchange.mean_16bit`; the HLO accounting shows which ran). Finite
+  sum and uint16 all-gather (`comm.mean_16bit`; the HLO accounting shows which ran). Finite
   gradients beyond bfloat16's range (or means beyond a float16 leaf's) saturate at the largest
   finite value instead of becoming inf, and the mean is that of g / 2**k, times 2**k (no
   overflow); non-finite gradients stay non-finite.
@@ -184,11 +183,10 @@ def _feedback(codec: baseline_codecs.Codec, axis_name: AxisName | None, name: st
   def init_fn(params):
     return ErrorFeedbackState(_flat_zeros(params))
 
-  def exchange_group(grads, flag, fields):
+  def average_group(grads, flag, fields):
     errors, = fields
     hs = [quant.saturate(g + e) for g, e in zip(grads, errors)]  # finite, never inf
-    messages, decoded = baseline_codecs.encode_all(codec, hs, axis_name, name)
-    means, flags = baseline_codecs.average_all(codec, messages, decoded, flag, axis_name)
+    decoded, means, flags = codec(hs, flag, axis_name)
     classic = args.is_concrete(beta) and beta == 0  # traced: inject_hyperparams
     new_errors = [h - d if classic  # h and d share their sign: no overflow
                   else quant.saturate(beta * e + (1.0 - beta) * (h - d))
@@ -200,7 +198,7 @@ def _feedback(codec: baseline_codecs.Codec, axis_name: AxisName | None, name: st
     grads = leaves.split(updates, axis_name)
     if not grads.sent:
       return updates, state
-    update, (errors,) = _feedback_finish(grads, exchange_group, [state.error])
+    update, (errors,) = _feedback_finish(grads, average_group, [state.error])
     return update, ErrorFeedbackState(grads.tree(errors))
 
   return optax.GradientTransformationExtraArgs(
@@ -310,11 +308,10 @@ def ef21(bits: int = 4, block_size: int = 2048,
   def init_fn(params):
     return EF21State(_flat_zeros(params), _flat_zeros(params))
 
-  def exchange_group(grads, flag, fields):
+  def average_group(grads, flag, fields):
     local, estimate = fields
     hs = [quant.saturate(g - l) for g, l in zip(grads, local)]
-    messages, decoded = baseline_codecs.encode_all(codec, hs, axis_name, "ef21")
-    means, flags = baseline_codecs.average_all(codec, messages, decoded, flag, axis_name)
+    decoded, means, flags = codec(hs, flag, axis_name)
     new_estimate = [quant.saturate(e + c_mean) for e, c_mean in zip(estimate, means)]
     return (new_estimate,
             [[quant.saturate(l + c) for l, c in zip(local, decoded)], new_estimate], flags)
@@ -324,7 +321,7 @@ def ef21(bits: int = 4, block_size: int = 2048,
     grads = leaves.split(updates, axis_name)
     if not grads.sent:
       return updates, state
-    update, (local, estimate) = _feedback_finish(grads, exchange_group,
+    update, (local, estimate) = _feedback_finish(grads, average_group,
                                                  [state.local, state.estimate])
     return update, EF21State(grads.tree(local), grads.tree(estimate))
 
