@@ -76,27 +76,27 @@ def mean_16bit(values: Sequence[jax.Array], axis_name: AxisName,
   return out
 
 
-def gather_bf16(shards: Sequence[jax.Array], flag: jax.Array,
+def gather_bf16(shards: Sequence[jax.Array], side: jax.Array,
                 axis_name: AxisName) -> tuple[list[jax.Array], jax.Array]:
   """ONE all-gather of float32 shards in bfloat16 (saturating; 16 bits a value on every
-  backend): [k] each -> [n, k] float32, row j device j's. `flag` rides along, so that it comes
-  back replicated: the first device's."""
+  backend) with float32 `side` numbers (a flag, a status): [k] each -> [n, k] float32, row j
+  device j's, and every device's side numbers, [n, *side.shape]."""
   parts = [quant.saturate(s.reshape(1, -1), jnp.bfloat16).astype(jnp.bfloat16) for s in shards]
-  buffer, parts = framing.frame(parts + [flag.astype(jnp.float32)[None]], jnp.uint16)
-  *values, flags = framing.unframe(wire.all_gather(buffer, axis_name), parts)
-  return [v.astype(jnp.float32) for v in values], flags[0]
+  buffer, parts = framing.frame(parts + [side.astype(jnp.float32)[None]], jnp.uint16)
+  *values, sides = framing.unframe(wire.all_gather(buffer, axis_name), parts)
+  return [v.astype(jnp.float32) for v in values], sides
 
 
 def gather_packed(packed: Sequence[jax.Array], scales: Sequence[jax.Array] | None, fixed_scale,
-                  bits: int, flag: jax.Array,
+                  bits: int, side: jax.Array,
                   axis_name: AxisName) -> tuple[list[jax.Array], jax.Array]:
   """ONE all-gather of quantized shards: packed codes (uint8 [blocks, len * bits / 8]) and
-  block scales ([blocks]; None: `fixed_scale`) -> [n, blocks, len] float32 each, and the flag
-  (replicated, as `gather_bf16`'s)."""
+  block scales ([blocks]; None: `fixed_scale`) -> [n, blocks, len] float32 each, and every
+  device's `side` numbers, as `gather_bf16`'s."""
   parts = [x[None] for x in packed] + [x[None] for x in scales or ()]
-  buffer, parts = framing.frame(parts + [flag.astype(jnp.float32)[None]])
-  *got, flags = framing.unframe(wire.all_gather(buffer, axis_name), parts)
+  buffer, parts = framing.frame(parts + [side.astype(jnp.float32)[None]])
+  *got, sides = framing.unframe(wire.all_gather(buffer, axis_name), parts)
   codes, peer_scales = got[:len(packed)], got[len(packed):]
   return [quant.decompress(quant.unpack(q, bits),
                            fixed_scale if scales is None else peer_scales[c][..., None])
-          for c, q in enumerate(codes)], flags[0]
+          for c, q in enumerate(codes)], sides

@@ -83,7 +83,7 @@ def sign_codec(block_size: int) -> Codec:
     shards = [quant.mean_over_peers(sign_values(quant.unpack(q, 1), s))
               for q, s in zip(got[:k], got[k:2 * k])]
     values, flags = gathers.gather_bf16(shards, got[-1].sum(), axis_name)
-    return Sent(decoded, [layout.from_rows(v, r) for v, r in zip(values, rows_of)], flags)
+    return Sent(decoded, [layout.from_rows(v, r) for v, r in zip(values, rows_of)], flags[0])
 
   return send
 

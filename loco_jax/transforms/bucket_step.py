@@ -124,7 +124,7 @@ def average(sent: CompressedBuckets, plan: buckets.Plan, old: GroupState, s: Loc
                                for v, b, n in zip(values, plan.blocks, plan.block_lens)]
   if mode.gather == "bf16":
     values, flags = gathers.gather_bf16(means, flags, mode.axis_name)
-    return Averaged(as_buckets(values), flags, None, None)
+    return Averaged(as_buckets(values), flags[0], None, None)
   # The averaged shard is re-quantized with its own error: this device's row of every bucket
   # (zero where a leaf is padded, as every peer's codes there are).
   shard = compress_buckets([m.reshape(1, b, n) for m, b, n in zip(means, plan.blocks,
@@ -133,4 +133,4 @@ def average(sent: CompressedBuckets, plan: buckets.Plan, old: GroupState, s: Loc
   values, flags = gathers.gather_packed(
       [x[0] for x in shard.packed], None if shard.scales is None else [x[0] for x in shard.scales],
       s.scale, s.bits, flags, mode.axis_name)
-  return Averaged(as_buckets(values), flags, shard.state.error, shard.state.error_scale)
+  return Averaged(as_buckets(values), flags[0], shard.state.error, shard.state.error_scale)

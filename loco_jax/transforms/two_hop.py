@@ -14,6 +14,7 @@ from loco_jax.comm import bucketed, gathers, wire
 from loco_jax.core import buckets, layout, leaves, local_blocks, quant, trees
 from loco_jax.transforms.bucket_step import (Averaging, average, bucket_plans, compress_buckets,
                                              init_group, is_due)
+from loco_jax.transforms.loco import is_placeholder
 from loco_jax.transforms.loco_state import GroupState
 from loco_jax.transforms.settings import GATHER_MODES, LocoSettings, resolve
 
@@ -52,7 +53,10 @@ class Hops(NamedTuple):
 
   def plans(self, grads: leaves.Leaves) -> tuple[dict, dict]:
     """Each group's bucket layouts: of the leaves over `local_axis`, of their node shards
-    (`layout.shard_len` of each leaf over the node's devices) over `node_axis`."""
+    (`layout.shard_len` of each leaf over the node's devices) over `node_axis`. None sent:
+    none, and no axis needs to be bound."""
+    if not grads.sent:
+      return {}, {}
     local, nodes = self.sizes()
     shard_sizes = [layout.shard_len(x.size, local) for x in grads.leaves]
     block_size = self.settings.block_size
@@ -115,6 +119,7 @@ def group_step(hops: Hops, grads: leaves.Leaves, group: leaves.Group, plans: tup
   gathered, flags = gathers.gather_bf16([node_shards[i] for i in group.indices],
                                             averaged.flags, hops.local_axis)
   values = [v.reshape(-1)[: grads.leaves[i].size] for v, i in zip(gathered, group.indices)]
+  flags = flags[0]
   new = (hop1.error, hop1.error_scale, sent.state.error, sent.state.error_scale,
          averaged.gather_error, averaged.gather_scale)
   return leaves.GroupResult(lambda: values, flags, new)
@@ -181,8 +186,10 @@ def two_hop(node_axis: str = "node", local_axis: str = "local", intra: str = "re
   block_scales = settings.error_scale is None
 
   def init_fn(params):
+    if is_placeholder(params):  # optax.tree_map_params's: no state here mirrors the params
+      return TwoHopState(jnp.zeros([], jnp.int32), *[jnp.zeros([], jnp.int8)] * 7)
     grads = leaves.split(params, axes)
-    plans1, plans2 = hops.plans(grads) if grads.sent else ({}, {})
+    plans1, plans2 = hops.plans(grads)
     hop1 = lambda key: (init_group(plans1[key], block_scales, False)[:2] if intra == "loco"
                         else (None, None))
     groups = {key: hop1(key) + init_group(plans2[key], block_scales, gather == "quantized")
@@ -192,15 +199,14 @@ def two_hop(node_axis: str = "node", local_axis: str = "local", intra: str = "re
 
   def update_fn(updates, state):
     _check_state(state, updates, init_fn(updates))
-    grads, count = leaves.split(updates, axes), state.count
-    if not grads.sent:  # nothing to compress or send
-      return updates, state._replace(count=optax.safe_increment(count))
+    grads = leaves.split(updates, axes)
     plans1, plans2 = hops.plans(grads)
     old = {g.key: tuple(None if f is None else f[g.key] for f in state[1:7])
            for g in grads.groups}
     mapped = grads.map_groups(lambda group: group_step(
-        hops, grads, group, (plans1[group.key], plans2[group.key]), old[group.key], count))
-    done = grads.finish(mapped, mapped.states, old, count)
+        hops, grads, group, (plans1[group.key], plans2[group.key]), old[group.key],
+        state.count))
+    done = grads.finish(mapped, mapped.states, old, state.count)
     return done.update, TwoHopState(done.count, *_fields(hops, done.state), state.signature)
 
   return optax.GradientTransformationExtraArgs(
