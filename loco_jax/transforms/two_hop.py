@@ -116,13 +116,12 @@ def group_step(hops: Hops, grads: leaves.Leaves, group: leaves.Group, plans: tup
   averaged = average(sent, plan2, node_old, s, Averaging(hops.node_axis, hops.gather, False,
                                                          None), reset)
   node_shards = buckets.from_buckets(averaged.values, plan2, buckets.starts(plan2, count))
-  gathered, flags = gathers.gather_bf16([node_shards[i] for i in group.indices],
-                                            averaged.flags, hops.local_axis)
+  gathered, sides = gathers.gather_bf16([node_shards[i] for i in group.indices],
+                                        averaged.flags, hops.local_axis)
   values = [v.reshape(-1)[: grads.leaves[i].size] for v, i in zip(gathered, group.indices)]
-  flags = flags[0]
   new = (hop1.error, hop1.error_scale, sent.state.error, sent.state.error_scale,
          averaged.gather_error, averaged.gather_scale)
-  return leaves.GroupResult(lambda: values, flags, new)
+  return leaves.GroupResult(lambda: values, sides[0], new)
 
 
 def _check_state(state: Any, updates: Any, expected: TwoHopState) -> None:
