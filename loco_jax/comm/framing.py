@@ -37,7 +37,8 @@ def from_bytes(b: jax.Array, dtype, shape: Sequence[int] = (-1,)) -> jax.Array:
 
 def frame(parts: Sequence[jax.Array], unit=jnp.uint8) -> tuple[jax.Array, list[Part]]:
   """[rows, ...] arrays (one row count) -> (their bytes [rows, ...] as `unit`s, what `unframe`
-  needs). A `unit` of uint16 keeps 16-bit values whole on the wire, as the program shows them."""
+  needs). A wider `unit` (its size dividing a row's bytes) shows the wire's values as they are:
+  uint16 for 16-bit floats, int32 for indices and float32 values."""
   layout = [Part(np.dtype(p.dtype), tuple(p.shape[1:])) for p in parts]
   return from_bytes(jnp.concatenate([to_bytes(p) for p in parts], axis=1), unit), layout
 
