@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from loco_jax.comm import framing, gathers, wire
-from loco_jax.core import buckets, layout, quant
+from loco_jax.core import args, buckets, layout, quant
 from loco_jax.core.layout import AxisName
 from loco_jax.transforms import bucket_step
 from loco_jax.transforms.settings import resolve
@@ -32,7 +32,11 @@ def _rows(axis_name: AxisName | None) -> int:
 def block_codec(bits: int, block_size: int, scale_method: str = "absmax",
                 clip_rms: float | None = None) -> Codec:
   """Block quantization to `bits` (absmax or clipped-rms scales) on LoCo's buckets: the fused
-  step from a zero error, LoCo's all-to-all of packed codes, then a bf16 gather."""
+  step from a zero error, LoCo's all-to-all of packed codes, then a bf16 gather. ValueError
+  for arguments out of range."""
+  args.check_bits(bits)
+  args.check_int(block_size, "block_size", 1)
+  args.check_scale_method(scale_method, clip_rms)
   s = resolve(bits, None, 8, None, 1.0, 0, block_size, scale_method, clip_rms)
 
   def send(hs, flag, axis_name):

@@ -19,7 +19,6 @@ from loco_jax.comm import gathers
 from loco_jax.core import args, leaves, local_blocks, quant, trees
 from loco_jax.core.layout import AxisName
 from loco_jax.transforms import baseline_codecs
-from loco_jax.transforms.loco import loco
 
 
 class ErrorFeedbackState(NamedTuple):
@@ -146,10 +145,10 @@ def int_quantized(bits: int = 4, block_size: int = 2048,
   """Absmax block quantization to `bits` without error feedback (like ZeRO++ qgZ).
 
   The leaves are cut into blocks of at most `block_size` elements as `loco`'s buckets cut them,
-  with one float32 scale each, s = (2**(bits-1) - 1) / max|g|; d = round(s * g) / s. It runs
-  `loco(beta=1.0)` from a zero error every step. With an axis the output is the mean of every device's d over LoCo's wire: one
-  all-to-all of packed codes and scales, a float32 average of this device's shard, and a
-  bfloat16 all-gather (bits + 16 bits a parameter). A non-finite gradient (on any device) makes
+  with one float32 scale each, s = (2**(bits-1) - 1) / max|g|; d = round(s * g) / s: LoCo's
+  fused step from a zero error, as `loco(beta=1.0)`. With an axis the output is the mean of
+  every device's d over LoCo's wire: one all-to-all of packed codes and scales, a float32
+  average of this device's shard, and a bfloat16 all-gather (bits + 16 bits a parameter). A non-finite gradient (on any device) makes
   every output NaN; finite ones give finite outputs (q / s, the mean and the casts saturate at
   the largest finite value, as in `loco`). Non-float and zero-size leaves pass through; dtypes
   are kept. `scale_method="rms"` with `clip_rms` uses loco's clipped-rms block scale instead
@@ -160,20 +159,20 @@ def int_quantized(bits: int = 4, block_size: int = 2048,
     >>> state = opt.init(params)
     >>> updates, state = opt.update(grads, state, params)
   """
-  args.check_bits(bits)
-  args.check_int(block_size, "block_size", 1)
-  args.check_scale_method(scale_method, clip_rms)
-  # loco with beta = 1 and an error that starts at 0 every step: the same blocks (buckets), the
-  # same kernels and wire, and no state to keep.
-  inner = loco(bits, beta=1.0, error_bits=8, block_size=block_size, axis_name=axis_name,
-               specs=specs, scale_method=scale_method, clip_rms=clip_rms)
+  codec = baseline_codecs.block_codec(bits, block_size, scale_method, clip_rms)
 
-  def update_fn(updates, state, params=None, **extra_args):
-    del params, extra_args
-    out, _ = inner.update(updates, inner.init(updates))
-    return out, state
+  def average_group(grads, flag, fields):
+    sent = codec(grads, flag, axis_name)
+    return sent.means, fields, sent.flags
 
-  return optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update_fn)
+  def update_fn(updates, state):
+    grads = leaves.split(updates, axis_name)
+    return (_feedback_finish(grads, average_group, [])[0] if grads.sent else updates), state
+
+  return optax.GradientTransformationExtraArgs(
+      local_blocks.local_init(lambda params: optax.EmptyState(), axis_name, specs,
+                              "int_quantized"),
+      local_blocks.local_update(update_fn, axis_name, specs, name="int_quantized"))
 
 
 def _feedback(codec: baseline_codecs.Codec, axis_name: AxisName | None, name: str,
@@ -229,13 +228,10 @@ def error_feedback(bits: int = 4, block_size: int = 2048,
     >>> state = opt.init(params)
     >>> updates, state = opt.update(grads, state, params)
   """
-  args.check_bits(bits)
-  args.check_int(block_size, "block_size", 1)
-  args.check_scale_method(scale_method, clip_rms)
+  codec = baseline_codecs.block_codec(bits, block_size, scale_method, clip_rms)
   if args.is_concrete(beta) and not 0.0 <= float(beta) < 1.0:
     raise ValueError(f"beta must be in [0, 1) (0 is classic error feedback), got {beta}")
-  return _feedback(baseline_codecs.block_codec(bits, block_size, scale_method, clip_rms),
-                   axis_name, "error_feedback", beta=beta, specs=specs)
+  return _feedback(codec, axis_name, "error_feedback", beta=beta, specs=specs)
 
 
 def sign_ef(block_size: int = 2048,
@@ -301,8 +297,6 @@ def ef21(bits: int = 4, block_size: int = 2048,
     >>> state = opt.init(params)
     >>> updates, state = opt.update(grads, state, params)
   """
-  args.check_bits(bits)
-  args.check_int(block_size, "block_size", 1)
   codec = baseline_codecs.block_codec(bits, block_size)
 
   def init_fn(params):
