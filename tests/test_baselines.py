@@ -10,6 +10,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from loco_jax import comm, loco
+from loco_jax.core import buckets
 from loco_jax.train import parallel
 from loco_jax.transforms import baselines
 
@@ -80,12 +81,22 @@ def test_int_quantized_is_loco_without_feedback(bits):
     assert np.any(np.asarray(out["w"]) != np.asarray(grads["w"]))
 
 
+def _blocks(x, block):
+  """A leaf's values in the blocks of loco's buckets (`buckets.plan`, one row), each block
+  zero-padded to the longest: [blocks, block] float64."""
+  p = buckets.plan((np.size(x),), 1, block)
+  lengths = [p.block_lens[q.bucket] for q in p.leaves[0].pieces for _ in range(q.blocks)]
+  flat = np.pad(np.asarray(x, np.float64).reshape(-1), (0, sum(lengths) - np.size(x)))
+  starts = np.cumsum([0] + lengths[:-1])
+  return np.stack([np.pad(flat[a:a + n], (0, block - n)) for a, n in zip(starts, lengths)])
+
+
 def _assert_block_quantized(d, h, bits, block):
-  """d is Q(h) (absmax blocks) within float32 rounding, against float64: its codes round(s h)
-  (s = qmax / max|h| per block) differ by one only where s h sits within float32 rounding of
-  a rounding boundary, and d = codes / s within a few float32 roundings."""
-  padded = lambda x: np.pad(np.asarray(x, np.float64).reshape(-1), (0, -np.size(x) % block))
-  h_BxL, d_BxL = padded(h).reshape(-1, block), padded(d).reshape(-1, block)  # zero-padded
+  """d is Q(h) (absmax blocks, as loco's buckets cut them) within float32 rounding, against
+  float64: its codes round(s h) (s = qmax / max|h| per block) differ by one only where s h sits
+  within float32 rounding of a rounding boundary, and d = codes / s within a few float32
+  roundings."""
+  h_BxL, d_BxL = _blocks(h, block), _blocks(d, block)
   qmax = 2 ** (bits - 1) - 1
   s = qmax / np.abs(h_BxL).max(axis=-1, keepdims=True)
   x = s * h_BxL

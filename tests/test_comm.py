@@ -136,17 +136,16 @@ def test_non_finite_on_one_device_skips_the_step_on_every_device(mesh, shard_map
 @pytest.mark.slow
 @pytest.mark.numerics
 @pytest.mark.parametrize("mode", [dict(), dict(gather="quantized"), dict(scatter=True)])
-def test_skip_by_cond_and_by_selects_give_the_same_steps(mesh, monkeypatch, mode,
-                                                        shard_mapped_update):
-  # CPU skips a non-finite step with one lax.cond (`leaves.SKIP_BY_COND`), other backends with
-  # selects per leaf: both give the same updates and states, bit for bit (the same arithmetic),
-  # over a finite step, a non-finite one and a finite one again.
-  from loco_jax.core import leaves
-  opt = loco(axis_name="data", **mode)
+def test_the_cpu_workarounds_change_no_value_on_a_mesh(mesh, monkeypatch, mode,
+                                                       shard_mapped_update):
+  # With the XLA:CPU workarounds (`core.workarounds`) and without them (as GPU and TPU run),
+  # the same updates and states, bit for bit (the same arithmetic), over a finite step, a
+  # non-finite one and a finite one again.
   out_spec = P("data") if mode.get("scatter") else P()
   runs = []
-  for backends in (("cpu",), ()):
-    monkeypatch.setattr(leaves, "SKIP_BY_COND", backends)
+  for switch in ("1", "0"):
+    monkeypatch.setenv("LOCO_JAX_WORKAROUNDS", switch)
+    opt = loco(axis_name="data", **mode)  # a new function: traced afresh
     step = shard_mapped_update(opt, mesh, PARAMS, out_spec=out_spec)[0]
     state, _ = parallel.init_opt_state(opt, PARAMS, mesh)
     seen = []
@@ -167,15 +166,15 @@ def test_skip_by_cond_and_by_selects_give_the_same_steps(mesh, monkeypatch, mode
 @pytest.mark.parametrize("shapes", [{"w": (8, 1024)}, {"w": (8, 1024), "b": (96,)}])
 def test_local_steps_checked_first_are_those_of_selects(monkeypatch, shapes):
   # Local mode on CPU where a leaf is a whole bucket checks the gradients first and skips in
-  # the step (no cond, which would copy that leaf); other backends select per leaf: the same
-  # updates and states bit for bit over finite steps, a non-finite one on which a reset was
-  # due (the error is kept, not reset) and a finite one after it.
-  from loco_jax.core import buckets, leaves
+  # the step (`workarounds.finite_first`); without the workarounds the step selects per leaf:
+  # the same updates and states bit for bit over finite steps, a non-finite one on which a
+  # reset was due (the error is kept, not reset) and a finite one after it.
+  from loco_jax.core import buckets
   params = {k: jnp.zeros(v) for k, v in shapes.items()}
   assert buckets.plan(tuple(x.size for x in params.values()), 1, 1024).has_bare_leaf()
   runs = []
-  for backends in (("cpu",), ()):
-    monkeypatch.setattr(leaves, "SKIP_BY_COND", backends)
+  for switch in ("1", "0"):
+    monkeypatch.setenv("LOCO_JAX_WORKAROUNDS", switch)
     opt = loco(block_size=1024, reset_interval=2)  # a new function: traced afresh
     step, state, seen = jax.jit(opt.update), opt.init(params), []
     rng = np.random.default_rng(0)

@@ -342,4 +342,4 @@ def test_a_state_of_another_kind_or_layout_is_refused():
   with pytest.raises(ValueError, match="block_size and rows"):
     error_by_leaf(state, params, rows=2)
   with pytest.raises(ValueError, match="groups \\['', 'model'\\]"):
-    error_by_leaf(state._replace(error={"": (), "model": ()}), params)
+    error_by_leaf(state._replace(groups={"": state.groups[""], "model": state.groups[""]}), params)

@@ -107,5 +107,5 @@ def test_a_gradient_tree_that_does_not_match_the_state_names_the_leaf(step_of):
   grads = _grads(0)
   grads["odd"] = jnp.zeros((NODES, LOCAL, 4, 3))
   with pytest.raises(ValueError, match=r"two_hop: gradient leaf \['odd'\] has shape \(4, 3\), "
-                                       r"but state.error\['odd'\] has shape \(15,\)"):
+                                       r"but the params the state was initialised with have \(5, 3\)"):
     step(grads, state)

@@ -30,7 +30,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from loco_jax.comm import wire
+from loco_jax.comm import framing, wire
 from loco_jax.comm.hlo import Collective
 from loco_jax.comm.coded_host import (ByteCoder, fill_slots, host_call,  # noqa: F401
                                       needed_bits_per_byte, read_slots, slot_bytes)
@@ -45,23 +45,6 @@ class Received(NamedTuple):
   missing: jax.Array      # int32 [2]: slots here that [overflowed, did not decode]; raw: zeros
   coded_bytes: jax.Array  # int32: bytes of the streams this device coded (raw: 0)
   extended: jax.Array     # int32 0 or 1, alike on every device: the slots' extension was sent
-
-
-def _as_bytes(x: jax.Array) -> jax.Array:
-  """[rows, ...] int32 or float32 -> [rows, 4 * ...] uint8, a bitcast."""
-  return jax.lax.bitcast_convert_type(x, jnp.uint8).reshape(x.shape[0], -1)
-
-
-def _from_bytes(b: jax.Array, dtype) -> jax.Array:
-  return jax.lax.bitcast_convert_type(b.reshape(b.shape[0], -1, 4), dtype)
-
-
-def _frame(*parts: jax.Array) -> tuple[jax.Array, list[int]]:
-  """[rows, k_i] uint8 parts side by side, and where each one starts."""
-  starts = [0]
-  for p in parts:
-    starts.append(starts[-1] + p.shape[1])
-  return jnp.concatenate(parts, axis=1), starts
 
 
 def _code(rows_NxB: jax.Array, capacity: int, coder: ByteCoder, sender: jax.Array,
@@ -132,10 +115,8 @@ def all_to_all(rows_NxB: jax.Array, side_NxS: jax.Array, capacity: int, coder: B
   """
   me = jax.lax.axis_index(axis_name)
   slots, lengths = _code(rows_NxB, capacity + extension, coder, me, me)
-  buffer, at = _frame(slots[:, :capacity], _as_bytes(lengths[:, None]), _as_bytes(side_NxS))
-  received = wire.all_to_all(buffer, axis_name)
-  got_slots = received[:, :at[1]]
-  got_lengths = _from_bytes(received[:, at[1]:at[2]], jnp.int32)[:, 0]
+  buffer, parts = framing.frame([slots[:, :capacity], lengths, side_NxS])
+  got_slots, got_lengths, got_side = framing.unframe(wire.all_to_all(buffer, axis_name), parts)
   extended = jnp.bool_(False)
   if extension:
     extended = jax.lax.pmax(jnp.max(lengths), axis_name) > capacity
@@ -143,8 +124,8 @@ def all_to_all(rows_NxB: jax.Array, side_NxS: jax.Array, capacity: int, coder: B
                                      lambda tails: wire.all_to_all(tails, axis_name))
   own = jax.lax.dynamic_index_in_dim(rows_NxB, me, keepdims=False)
   rows, missing = _decode(got_slots, got_lengths, own, me, coder)
-  return Received(rows, _from_bytes(received[:, at[2]:], jnp.float32), missing,
-                  jnp.sum(jnp.where(lengths > 0, lengths, 0)), extended.astype(jnp.int32))
+  return Received(rows, got_side, missing, jnp.sum(jnp.where(lengths > 0, lengths, 0)),
+                  extended.astype(jnp.int32))
 
 
 def all_gather(row_B: jax.Array, side_S: jax.Array, capacity: int, coder: ByteCoder,
@@ -156,31 +137,27 @@ def all_gather(row_B: jax.Array, side_S: jax.Array, capacity: int, coder: ByteCo
   as for `all_to_all`, agreed from the gathered lengths (which every device has alike)."""
   me = jax.lax.axis_index(axis_name)
   slot, length = _code(row_B[None], capacity + extension, coder, me, -1)
-  buffer, at = _frame(slot[:, :capacity], _as_bytes(length[:, None]), _as_bytes(side_S[None]))
-  gathered = wire.all_gather(buffer, axis_name)
-  got_slots = gathered[:, :at[1]]
-  got_lengths = _from_bytes(gathered[:, at[1]:at[2]], jnp.int32)[:, 0]
+  buffer, parts = framing.frame([slot[:, :capacity], length, side_S[None]])
+  got_slots, got_lengths, got_side = framing.unframe(wire.all_gather(buffer, axis_name), parts)
   extended = jnp.bool_(False)
   if extension:
     extended = jnp.max(got_lengths) > capacity
     got_slots, got_lengths = _extend(got_slots, got_lengths, slot[:, capacity:], extended,
                                      lambda tail: wire.all_gather(tail, axis_name))
   rows, missing = _decode(got_slots, got_lengths, row_B, me, coder)
-  return Received(rows, _from_bytes(gathered[:, at[2]:], jnp.float32), missing, length[0],
+  return Received(rows, got_side, missing, length[0],
                   extended.astype(jnp.int32))
 
 
 def raw_all_to_all(rows_NxB: jax.Array, side_NxS: jax.Array, axis_name: AxisName) -> Received:
   """`all_to_all` without coding: the rows as they are."""
-  buffer, at = _frame(rows_NxB, _as_bytes(side_NxS))
-  received = wire.all_to_all(buffer, axis_name)
-  return Received(received[:, :at[1]], _from_bytes(received[:, at[1]:], jnp.float32),
+  buffer, parts = framing.frame([rows_NxB, side_NxS])
+  return Received(*framing.unframe(wire.all_to_all(buffer, axis_name), parts),
                   jnp.zeros(2, jnp.int32), jnp.int32(0), jnp.int32(0))
 
 
 def raw_all_gather(row_B: jax.Array, side_S: jax.Array, axis_name: AxisName) -> Received:
   """`all_gather` without coding: the row as it is."""
-  buffer, at = _frame(row_B[None], _as_bytes(side_S[None]))
-  gathered = wire.all_gather(buffer, axis_name)
-  return Received(gathered[:, :at[1]], _from_bytes(gathered[:, at[1]:], jnp.float32),
+  buffer, parts = framing.frame([row_B[None], side_S[None]])
+  return Received(*framing.unframe(wire.all_gather(buffer, axis_name), parts),
                   jnp.zeros(2, jnp.int32), jnp.int32(0), jnp.int32(0))

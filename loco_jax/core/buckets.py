@@ -22,7 +22,6 @@ import jax
 import jax.numpy as jnp
 
 from loco_jax.core import layout, quant, workarounds
-from loco_jax.core.layout import LeafLayout
 
 # Bytes a block's scale costs on the wire, and a value of padding (4 bits in the all-to-all,
 # 16 in the bf16 gather), to choose between them.
@@ -63,11 +62,6 @@ class Plan(NamedTuple):
     return any(leaf is not None and len(leaf.pieces) == 1 and leaf.size == self.rows * leaf.row_len
                and leaf.row_len == self.blocks[leaf.pieces[0].bucket] * self.block_lens[
                    leaf.pieces[0].bucket] for leaf in self.leaves)
-
-  def bucket_layouts(self) -> list[LeafLayout]:
-    """Each bucket as a `layout.LeafLayout` of `rows` rows (for comm's gathers)."""
-    return [LeafLayout(self.rows * b * n, self.rows, b * n, b, n)
-            for b, n in zip(self.blocks, self.block_lens)]
 
 
 def _remainder_pieces(rest: int, full: int, lengths: tuple[int, ...]) -> tuple[float, list[int]]:

@@ -60,11 +60,3 @@ def from_rows(rows: jax.Array, layout: LeafLayout) -> jax.Array:
   """[rows, blocks, block_len] -> [size]; also [rows, row_len] -> [size]."""
   rows = rows.reshape(layout.rows, -1)[:, : layout.row_len]
   return rows.reshape(-1)[: layout.size]
-
-
-class Payload(NamedTuple):
-  """One leaf's compressed rows: int codes [rows, blocks, block_len] (or, with `packed`, their
-  uint8 `quant.pack` bytes [rows, blocks, block_len * bits / 8]), scales [rows, blocks] or None."""
-  codes: jax.Array
-  scales: jax.Array | None
-  packed: bool = False

@@ -140,3 +140,11 @@ def _dtype(x):
 
 def _is_float(x) -> bool:
   return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
+
+
+def is_placeholder(params: Any) -> bool:
+  """Whether `params` is `optax.tree_map_params`'s stand-in for the params: an object of no
+  leaves that is not a container. A state laid out in buckets, which does not mirror the
+  params, then gives scalars in its place, so that the stand-in's state is a prefix of the
+  real one and is left as it is."""
+  return not jax.tree.leaves(params) and not isinstance(params, (dict, list, tuple, type(None)))

@@ -89,12 +89,12 @@ def unshard_params(shards: Any, like: Any, axis_name: mesh_lib.AxisNames = "data
   return jax.tree.map(lambda s, x: s[: x.size].reshape(x.shape).astype(x.dtype), shards, like)
 
 
-def _int8_payload(shard: jax.Array, leaf: layout.LeafLayout) -> layout.Payload:
-  """This device's shard as int8 codes with one absmax scale a block."""
+def _int8_blocks(shard: jax.Array, leaf: layout.LeafLayout) -> tuple[jax.Array, jax.Array]:
+  """This device's shard as packed int8 codes [blocks, block_len], one absmax scale a block."""
   rows = layout.to_rows(shard, layout.LeafLayout(leaf.row_len, 1, leaf.row_len, leaf.blocks,
-                                                 leaf.block_len))
+                                                 leaf.block_len))[0]
   scales = quant.absmax_scale(rows, 8)
-  return layout.Payload(quant.compress(rows, scales[..., None], 8), scales)
+  return quant.pack(quant.compress(rows, scales[..., None], 8), 8), scales
 
 
 def gather_params(shards: Any, like: Any, axis_name: layout.AxisName,
@@ -115,9 +115,10 @@ def gather_params(shards: Any, like: Any, axis_name: layout.AxisName,
   n = comm.axis_size(axis_name, "train step")
   layouts = [layout.leaf_layout(x.size, n, gather.block_size) for x in leaves]
   if gather.how == "int8":
-    payloads = [_int8_payload(s, leaf) for s, leaf in zip(local, layouts)]
-    full, _ = comm.gather_packed(payloads, layouts, 8, None, jnp.zeros((), jnp.float32),
+    packed, scales = zip(*[_int8_blocks(s, leaf) for s, leaf in zip(local, layouts)])
+    gathered, _ = comm.gather_packed(packed, scales, None, 8, jnp.zeros((), jnp.float32),
                                      axis_name)
+    full = [layout.from_rows(x, leaf) for x, leaf in zip(gathered, layouts)]
   else:
     # comm.all_gather: a bf16 compute dtype crosses at 16 bits (XLA:CPU would send 32).
     full = [layout.from_rows(comm.all_gather(s.astype(gather.dtype), axis_name), leaf)

@@ -1,79 +1,95 @@
-"""The baselines' compressors, each with its wire: block-scaled integers, sign with a block scale,
-top-k; encode a leaf, and average every device's message over an axis."""
+"""The baselines' compressors, each with its wire: LoCo's block quantization on buckets, sign
+with a block scale, top-k. A codec takes a group's flat leaves and returns what each decodes
+to on this device and their mean over the axis."""
 
-from typing import Any, Callable, NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from loco_jax.comm import exchange
-from loco_jax.core import layout, quant
-from loco_jax.core.layout import AxisName, Payload
-from loco_jax.kernels.feedback import dequantize_blocks, quantize_blocks
+from loco_jax.comm import framing, gathers, wire
+from loco_jax.core import args, buckets, layout, quant
+from loco_jax.core.layout import AxisName
+from loco_jax.transforms import bucket_step
+from loco_jax.transforms.settings import resolve
 
 
-class Codec(NamedTuple):
-  """encode(h [size], rows) -> (message, d [size]), d being what the message decodes to;
-  average(messages, flag, axis_name) -> (mean over the axis of every device's d [size] per leaf,
-  the peers' flags summed and replicated)."""
-  encode: Callable[[jax.Array, int], tuple[Any, jax.Array]]
-  average: Callable[[list, jax.Array, AxisName], tuple[list[jax.Array], jax.Array]]
+class Sent(NamedTuple):
+  """A codec's result for a group's leaves (flat float32 [size] each)."""
+  decoded: list           # what each leaf's message decodes to, on this device
+  means: list             # the mean over the axis of every device's decoded leaf
+  flags: jax.Array        # the peers' flags summed, replicated
+
+
+# codec(hs, flag, axis_name) -> Sent; without an axis, means = decoded.
+Codec = Callable[[list, jax.Array, AxisName | None], Sent]
+
+
+def _rows(axis_name: AxisName | None) -> int:
+  return 1 if axis_name is None else gathers.axis_size(axis_name, "baselines")
 
 
 def block_codec(bits: int, block_size: int, scale_method: str = "absmax",
                 clip_rms: float | None = None) -> Codec:
-  """Block quantization to `bits` (absmax or clipped-rms scales, `quant.block_scale`); LoCo's
-  all-to-all of packed codes, then a bf16 gather."""
-  def encode(h, rows):
-    wire = layout.leaf_layout(h.size, rows, block_size)
-    payload = quantize_blocks(h, wire, bits, None, scale_method, clip_rms)
-    return (payload, wire), dequantize_blocks(payload, wire, None)
+  """Block quantization to `bits` (absmax or clipped-rms scales) on LoCo's buckets: the fused
+  step from a zero error, LoCo's all-to-all of packed codes, then a bf16 gather. ValueError
+  for arguments out of range."""
+  args.check_bits(bits)
+  args.check_int(block_size, "block_size", 1)
+  args.check_scale_method(scale_method, clip_rms)
+  s = resolve(bits, None, 8, None, 1.0, 0, block_size, scale_method, clip_rms)
 
-  def average(messages, flag, axis_name):
-    payloads, layouts = zip(*messages)
-    shards, flags = exchange.all_to_all_mean(payloads, bits, None, flag, axis_name)
-    return exchange.gather_bf16([quant.saturate(s, jnp.bfloat16) for s in shards], layouts, flags,
-                            axis_name)
+  def send(hs, flag, axis_name):
+    plan = buckets.plan(tuple(h.size for h in hs), _rows(axis_name), block_size)
+    zero = bucket_step.init_group(plan, True, False)
+    sent = bucket_step.compress_buckets(buckets.to_buckets(hs, plan), zero.error,
+                                        zero.error_scale, s, False, decompressed=True)
+    sent = sent._replace(finite=jnp.isfinite(flag))  # h saturates: the gradients' flag rules
+    mode = bucket_step.Averaging(axis_name, "bf16", False, None)
+    averaged = bucket_step.average(sent, plan, zero, s, mode, False)
+    starts = buckets.starts(plan, jnp.int32(0))
+    return Sent(buckets.from_buckets(sent.decompressed, plan, starts),
+                buckets.from_buckets(averaged.values, plan, starts), averaged.flags)
 
-  return Codec(encode, average)
+  return send
 
 
-def sign_values(p: Payload) -> jax.Array:
+def sign_values(codes: jax.Array, scales: jax.Array) -> jax.Array:
   """1-bit codes on the grid {-1, 0}: -1 -> -scale, 0 -> +scale (per block)."""
-  return p.scales[..., None] * jnp.where(p.codes < 0, -1.0, 1.0)
+  return scales[..., None] * jnp.where(codes < 0, -1.0, 1.0)
 
 
 def sign_codec(block_size: int) -> Codec:
-  """scale * sign(h) with scale = mean |h| per block (float32): one bit per element on the wire."""
+  """scale * sign(h) with scale = mean |h| per block (float32): one bit per element on the wire,
+  one all-to-all of the packed signs and scales, a float32 mean of this device's shard, and a
+  bf16 gather."""
   def encode(h, rows):
-    wire = layout.leaf_layout(h.size, rows, block_size)
-    h_RxBxL = layout.to_rows(h, wire)
-    real_RxB = layout.to_rows(jnp.ones_like(h), wire).sum(-1)   # padding excluded from the mean
+    wire_rows = layout.leaf_layout(h.size, rows, block_size)
+    h_RxBxL = layout.to_rows(h, wire_rows)
+    real_RxB = layout.to_rows(jnp.ones_like(h), wire_rows).sum(-1)  # padding left out
     # sum |h| 2**-k / (real 2**-k): the sum cannot overflow, and it is sum |h| / real exactly.
-    down = quant.mean_factors(wire.block_len)[0]
+    down = quant.mean_factors(wire_rows.block_len)[0]
     scales_RxB = quant.saturate(
         (jnp.abs(h_RxBxL) * down).sum(-1) / (jnp.maximum(real_RxB, 1.0) * down))
-    payload = Payload(jnp.where(h_RxBxL < 0, -1, 0).astype(jnp.int8), scales_RxB)
-    return (payload, wire), layout.from_rows(sign_values(payload), wire)
+    codes_RxBxL = jnp.where(h_RxBxL < 0, -1, 0).astype(jnp.int8)
+    return codes_RxBxL, scales_RxB, wire_rows
 
-  def average(messages, flag, axis_name):
-    # exchange.all_to_all_mean's path, with the sign decoding in place of codes / scale.
-    payloads, layouts = zip(*messages)
-    buffer, offsets = exchange.encode_rows(payloads, 1, flag)
-    received_NxB = jax.lax.all_to_all(buffer, axis_name, 0, 0, tiled=True)
-    n = received_NxB.shape[0]
-    field = lambda j: received_NxB[:, offsets[j][0]:offsets[j][1]]
-    shards = []
-    for j, p in enumerate(payloads):
-      codes = quant.unpack(field(2 * j).reshape(n, p.codes.shape[1], -1), 1)
-      scales = exchange._from_bytes(field(2 * j + 1), jnp.float32, (n, p.scales.shape[1]))
-      shards.append(quant.mean_over_peers(sign_values(Payload(codes, scales))))
-    flags = exchange._from_bytes(field(len(offsets) - 1), jnp.float32, (n,))
-    return exchange.gather_bf16([quant.saturate(s, jnp.bfloat16) for s in shards], layouts,
-                            flags.sum(), axis_name)
+  def send(hs, flag, axis_name):
+    rows = _rows(axis_name)
+    codes, scales, rows_of = zip(*[encode(h, rows) for h in hs])
+    decoded = [layout.from_rows(sign_values(q, s), r) for q, s, r in zip(codes, scales, rows_of)]
+    if axis_name is None:
+      return Sent(decoded, decoded, flag)
+    packed = [quant.pack(q, 1) for q in codes]
+    buffer, parts = framing.frame([*packed, *scales, jnp.broadcast_to(flag, (rows,))])
+    got = framing.unframe(wire.all_to_all(buffer, axis_name), parts)
+    k = len(hs)
+    shards = [quant.mean_over_peers(sign_values(quant.unpack(q, 1), s))
+              for q, s in zip(got[:k], got[k:2 * k])]
+    values, flags = gathers.gather_bf16(shards, got[-1].sum(), axis_name)
+    return Sent(decoded, [layout.from_rows(v, r) for v, r in zip(values, rows_of)], flags[0])
 
-  return Codec(encode, average)
+  return send
 
 
 def topk_count(size: int, fraction: float) -> int:
@@ -95,39 +111,19 @@ def scatter_mean(idx_NxK: jax.Array, vals_NxK: jax.Array, size: int) -> jax.Arra
 
 
 def topk_codec(fraction: float) -> Codec:
-  """The k largest |h| of each leaf as (int32 index, float32 value); one all-gather of them all."""
-  def encode(h, rows):
-    del rows
-    _, idx_K = jax.lax.top_k(jnp.abs(h), topk_count(h.size, fraction))
-    vals_K = h[idx_K]
-    return (idx_K, vals_K, h.size), scatter_mean(idx_K[None], vals_K[None], h.size)
+  """The k largest |h| of each leaf as (int32 index, float32 value); one all-gather of them all
+  (as int32 words), and a scatter-add of every device's pairs."""
+  def send(hs, flag, axis_name):
+    _rows(axis_name)  # an axis that is not bound: the error that says so
+    picked = [jax.lax.top_k(jnp.abs(h), topk_count(h.size, fraction))[1] for h in hs]
+    values = [h[idx_K] for h, idx_K in zip(hs, picked)]
+    decoded = [scatter_mean(i[None], v[None], h.size) for h, i, v in zip(hs, picked, values)]
+    if axis_name is None:
+      return Sent(decoded, decoded, flag)
+    buffer, parts = framing.frame([x[None] for x in [*picked, *values, flag[None]]], jnp.int32)
+    got = framing.unframe(wire.all_gather(buffer, axis_name), parts)
+    k = len(hs)
+    means = [scatter_mean(i, v, h.size) for h, i, v in zip(hs, got[:k], got[k:2 * k])]
+    return Sent(decoded, means, got[-1][:, 0].sum())
 
-  def average(messages, flag, axis_name):
-    as_int = lambda x: jax.lax.bitcast_convert_type(x, jnp.int32)
-    fields = [m[0] for m in messages] + [as_int(m[1]) for m in messages] + [as_int(flag)[None]]
-    gathered_NxW = jax.lax.all_gather(jnp.concatenate(fields), axis_name, axis=0,
-                                      to="invarying")
-    starts = np.cumsum([0] + [f.size for f in fields])
-    take = lambda j: gathered_NxW[:, starts[j]:starts[j + 1]]
-    n_leaves = len(messages)
-    means = [scatter_mean(take(j), jax.lax.bitcast_convert_type(take(n_leaves + j), jnp.float32),
-                           size) for j, (_, _, size) in enumerate(messages)]
-    flags = jax.lax.bitcast_convert_type(take(2 * n_leaves)[:, 0], jnp.float32)
-    return means, flags.sum()
-
-  return Codec(encode, average)
-
-
-def encode_all(codec: Codec, hs: list[jax.Array], axis_name: AxisName | None,
-            name: str) -> tuple[list, list[jax.Array]]:
-  rows = 1 if axis_name is None else exchange.axis_size(axis_name, name)
-  messages, decoded = zip(*[codec.encode(h, rows) for h in hs])
-  return list(messages), list(decoded)
-
-
-def average_all(codec: Codec, messages: list, decoded: list[jax.Array], flag: jax.Array,
-             axis_name: AxisName | None) -> tuple[list[jax.Array], jax.Array]:
-  """The mean over the axis of every device's decoded message; without an axis, `decoded`."""
-  if axis_name is None:
-    return decoded, flag
-  return codec.average(messages, flag, axis_name)
+  return send

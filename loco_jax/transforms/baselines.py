@@ -13,14 +13,12 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
-from loco_jax.comm import exchange
+from loco_jax.comm import gathers
 from loco_jax.core import args, leaves, local_blocks, quant, trees
 from loco_jax.core.layout import AxisName
 from loco_jax.transforms import baseline_codecs
-from loco_jax.transforms.loco import loco
 
 
 class ErrorFeedbackState(NamedTuple):
@@ -56,17 +54,17 @@ def _flat_zeros(params: Any) -> Any:
       lambda x: jnp.zeros((x.size if leaves.compressible(x) else 0,), jnp.float32), params)
 
 
-def _feedback_finish(grads: leaves.Leaves, exchange_group, fields: list) -> tuple[Any, list]:
-  """Runs `exchange_group(grads, flag, fields)` -> (values, new fields, flags) on each group of
+def _feedback_finish(grads: leaves.Leaves, average_group, fields: list) -> tuple[Any, list]:
+  """Runs `average_group(grads, flag, fields)` -> (values, new fields, flags) on each group of
   leaves (the group's flat gradients and fields); returns the update and the fields per leaf,
   the old ones wherever some gradient was not finite."""
   old = [grads.per_leaf(f) for f in fields]
 
   def step(group: leaves.Group) -> leaves.GroupResult:
-    values, new, flags = exchange_group(
+    values, new, flags = average_group(
         [grads.flat(i) for i in group.indices], leaves.flag(grads.finite(group.indices)),
         [[f[i] for i in group.indices] for f in old])
-    return leaves.GroupResult(lambda: values, flags, new)
+    return leaves.GroupResult(values, flags, new)
   mapped = grads.map_groups(step)
   done = grads.finish(mapped, grads.by_leaf(mapped.states, old), old)
   return done.update, done.state
@@ -90,10 +88,10 @@ def _all_reduce(wire_dtype, axis_name: AxisName | None,
     if axis_name is not None and wire:
       # The sum inside a mean overflows for finite gradients near the maximum; the mean of
       # x / 2**k (2**k >= n) cannot, and times 2**k it is the same number (powers of two: exact).
-      down = quant.mean_factors(exchange.axis_size(axis_name, name))[0]
+      down = quant.mean_factors(gathers.axis_size(axis_name, name))[0]
       wire = [x * jnp.asarray(down, x.dtype) for x in wire]
-      # 16-bit floats: a mean that crosses at 16 bits on every backend (exchange.mean_16bit).
-      wire = (exchange.mean_16bit(wire, axis_name) if wire[0].dtype == jnp.bfloat16
+      # 16-bit floats: a mean that crosses at 16 bits on every backend (gathers.mean_16bit).
+      wire = (gathers.mean_16bit(wire, axis_name) if wire[0].dtype == jnp.bfloat16
               else jax.lax.pmean(wire, axis_name))
       wire = [x * jnp.asarray(1 / down, x.dtype) for x in wire]
     out = list(grads)
@@ -127,7 +125,7 @@ def bf16(axis_name: AxisName | None = None) -> optax.GradientTransformationExtra
   Without an axis it rounds every float gradient to bfloat16 (PyTorch DDP's bf16 hook). With
   one, a bf16 all-reduce where the backend moves bf16 as is (GPU, TPU); on CPU, whose
   collectives would widen it to 32 bits, the same 16 bits a value as uint16 all-to-all, float32
-  sum and uint16 all-gather (`exchange.mean_16bit`; the HLO accounting shows which ran). Finite
+  sum and uint16 all-gather (`comm.mean_16bit`; the HLO accounting shows which ran). Finite
   gradients beyond bfloat16's range (or means beyond a float16 leaf's) saturate at the largest
   finite value instead of becoming inf, and the mean is that of g / 2**k, times 2**k (no
   overflow); non-finite gradients stay non-finite.
@@ -147,10 +145,10 @@ def int_quantized(bits: int = 4, block_size: int = 2048,
   """Absmax block quantization to `bits` without error feedback (like ZeRO++ qgZ).
 
   The leaves are cut into blocks of at most `block_size` elements as `loco`'s buckets cut them,
-  with one float32 scale each, s = (2**(bits-1) - 1) / max|g|; d = round(s * g) / s. It runs
-  `loco(beta=1.0)` from a zero error every step. With an axis the output is the mean of every device's d over LoCo's wire: one
-  all-to-all of packed codes and scales, a float32 average of this device's shard, and a
-  bfloat16 all-gather (bits + 16 bits a parameter). A non-finite gradient (on any device) makes
+  with one float32 scale each, s = (2**(bits-1) - 1) / max|g|; d = round(s * g) / s: LoCo's
+  fused step from a zero error, as `loco(beta=1.0)`. With an axis the output is the mean of
+  every device's d over LoCo's wire: one all-to-all of packed codes and scales, a float32
+  average of this device's shard, and a bfloat16 all-gather (bits + 16 bits a parameter). A non-finite gradient (on any device) makes
   every output NaN; finite ones give finite outputs (q / s, the mean and the casts saturate at
   the largest finite value, as in `loco`). Non-float and zero-size leaves pass through; dtypes
   are kept. `scale_method="rms"` with `clip_rms` uses loco's clipped-rms block scale instead
@@ -161,20 +159,20 @@ def int_quantized(bits: int = 4, block_size: int = 2048,
     >>> state = opt.init(params)
     >>> updates, state = opt.update(grads, state, params)
   """
-  args.check_bits(bits)
-  args.check_int(block_size, "block_size", 1)
-  args.check_scale_method(scale_method, clip_rms)
-  # loco with beta = 1 and an error that starts at 0 every step: the same blocks (buckets), the
-  # same kernels and wire, and no state to keep.
-  inner = loco(bits, beta=1.0, error_bits=8, block_size=block_size, axis_name=axis_name,
-               specs=specs, scale_method=scale_method, clip_rms=clip_rms)
+  codec = baseline_codecs.block_codec(bits, block_size, scale_method, clip_rms)
 
-  def update_fn(updates, state, params=None, **extra_args):
-    del params, extra_args
-    out, _ = inner.update(updates, inner.init(updates))
-    return out, state
+  def average_group(grads, flag, fields):
+    sent = codec(grads, flag, axis_name)
+    return sent.means, fields, sent.flags
 
-  return optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update_fn)
+  def update_fn(updates, state):
+    grads = leaves.split(updates, axis_name)
+    return (_feedback_finish(grads, average_group, [])[0] if grads.sent else updates), state
+
+  return optax.GradientTransformationExtraArgs(
+      local_blocks.local_init(lambda params: optax.EmptyState(), axis_name, specs,
+                              "int_quantized"),
+      local_blocks.local_update(update_fn, axis_name, specs, name="int_quantized"))
 
 
 def _feedback(codec: baseline_codecs.Codec, axis_name: AxisName | None, name: str,
@@ -184,11 +182,10 @@ def _feedback(codec: baseline_codecs.Codec, axis_name: AxisName | None, name: st
   def init_fn(params):
     return ErrorFeedbackState(_flat_zeros(params))
 
-  def exchange_group(grads, flag, fields):
+  def average_group(grads, flag, fields):
     errors, = fields
     hs = [quant.saturate(g + e) for g, e in zip(grads, errors)]  # finite, never inf
-    messages, decoded = baseline_codecs.encode_all(codec, hs, axis_name, name)
-    means, flags = baseline_codecs.average_all(codec, messages, decoded, flag, axis_name)
+    decoded, means, flags = codec(hs, flag, axis_name)
     classic = args.is_concrete(beta) and beta == 0  # traced: inject_hyperparams
     new_errors = [h - d if classic  # h and d share their sign: no overflow
                   else quant.saturate(beta * e + (1.0 - beta) * (h - d))
@@ -200,7 +197,7 @@ def _feedback(codec: baseline_codecs.Codec, axis_name: AxisName | None, name: st
     grads = leaves.split(updates, axis_name)
     if not grads.sent:
       return updates, state
-    update, (errors,) = _feedback_finish(grads, exchange_group, [state.error])
+    update, (errors,) = _feedback_finish(grads, average_group, [state.error])
     return update, ErrorFeedbackState(grads.tree(errors))
 
   return optax.GradientTransformationExtraArgs(
@@ -231,13 +228,10 @@ def error_feedback(bits: int = 4, block_size: int = 2048,
     >>> state = opt.init(params)
     >>> updates, state = opt.update(grads, state, params)
   """
-  args.check_bits(bits)
-  args.check_int(block_size, "block_size", 1)
-  args.check_scale_method(scale_method, clip_rms)
+  codec = baseline_codecs.block_codec(bits, block_size, scale_method, clip_rms)
   if args.is_concrete(beta) and not 0.0 <= float(beta) < 1.0:
     raise ValueError(f"beta must be in [0, 1) (0 is classic error feedback), got {beta}")
-  return _feedback(baseline_codecs.block_codec(bits, block_size, scale_method, clip_rms),
-                   axis_name, "error_feedback", beta=beta, specs=specs)
+  return _feedback(codec, axis_name, "error_feedback", beta=beta, specs=specs)
 
 
 def sign_ef(block_size: int = 2048,
@@ -303,18 +297,15 @@ def ef21(bits: int = 4, block_size: int = 2048,
     >>> state = opt.init(params)
     >>> updates, state = opt.update(grads, state, params)
   """
-  args.check_bits(bits)
-  args.check_int(block_size, "block_size", 1)
   codec = baseline_codecs.block_codec(bits, block_size)
 
   def init_fn(params):
     return EF21State(_flat_zeros(params), _flat_zeros(params))
 
-  def exchange_group(grads, flag, fields):
+  def average_group(grads, flag, fields):
     local, estimate = fields
     hs = [quant.saturate(g - l) for g, l in zip(grads, local)]
-    messages, decoded = baseline_codecs.encode_all(codec, hs, axis_name, "ef21")
-    means, flags = baseline_codecs.average_all(codec, messages, decoded, flag, axis_name)
+    decoded, means, flags = codec(hs, flag, axis_name)
     new_estimate = [quant.saturate(e + c_mean) for e, c_mean in zip(estimate, means)]
     return (new_estimate,
             [[quant.saturate(l + c) for l, c in zip(local, decoded)], new_estimate], flags)
@@ -324,7 +315,7 @@ def ef21(bits: int = 4, block_size: int = 2048,
     grads = leaves.split(updates, axis_name)
     if not grads.sent:
       return updates, state
-    update, (local, estimate) = _feedback_finish(grads, exchange_group,
+    update, (local, estimate) = _feedback_finish(grads, average_group,
                                                  [state.local, state.estimate])
     return update, EF21State(grads.tree(local), grads.tree(estimate))
 

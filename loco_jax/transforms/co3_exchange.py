@@ -241,17 +241,13 @@ def _whole(settings: Co3Settings, layouts: list, rows_1xB: jax.Array, scales: ja
 def _bf16_gather(settings: Co3Settings, got: coded.Received, layouts: list,
                  status: jax.Array) -> tuple[list, coded.Received]:
   """The mean of this device's shard, all-gathered in bf16: per leaf float32 [n, row_len]."""
-  n, leaf_count = len(got.rows), len(layouts)
+  leaf_count = len(layouts)
   shards = [quant.mean_over_peers(v)
             for v in row_values(got.rows, got.side[:, :leaf_count], layouts, settings.fmt)]
-  # The shards' bit patterns as bytes: 16 bits a value on every backend.
-  shard_R = quant.saturate(jnp.concatenate(shards), jnp.bfloat16).astype(jnp.bfloat16)
-  gathered = coded.raw_all_gather(jax.lax.bitcast_convert_type(shard_R, jnp.uint8).reshape(-1),
-                                  status, settings.axis_name)
-  values_NxR = jax.lax.bitcast_convert_type(gathered.rows.reshape(n, -1, 2), jnp.bfloat16)
-  ends = itertools.accumulate(lay.row_len for lay in layouts)
-  return [values_NxR[:, end - lay.row_len:end].astype(jnp.float32)
-          for end, lay in zip(ends, layouts)], gathered
+  values, statuses = comm.gather_bf16(shards, status, settings.axis_name)
+  zero = jnp.int32(0)
+  return values, coded.Received(jnp.zeros((len(values[0]), 0), jnp.uint8), statuses,
+                                jnp.zeros(2, jnp.int32), zero, zero)
 
 
 def _sum_gather(settings: Co3Settings, got: coded.Received, layouts: list, scales: jax.Array,

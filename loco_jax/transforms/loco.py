@@ -16,58 +16,22 @@ output NaN and leaves the state unchanged, so the error is never poisoned; wrap 
 `optax.apply_if_finite` to skip such steps.
 """
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from loco_jax import kernels
-from loco_jax.codecs import huffman_deflate
-from loco_jax.comm import bucketed, exchange
 from loco_jax.core import args, buckets, leaves, local_blocks, trees, workarounds
 from loco_jax.core.layout import AxisName
-from loco_jax.kernels import feedback
-from loco_jax.transforms.loco_state import GroupState, LocoState, check_state, group_shapes
+from loco_jax.transforms.bucket_step import (Averaging, average, bucket_plans, compress_buckets,
+                                             group_shapes, is_due)
+from loco_jax.transforms.loco_state import GroupState, LocoState, check_state
 from loco_jax.transforms.settings import GATHER_MODES, LocoSettings, resolve
 
 
-class Exchange(NamedTuple):
-  """How the step averages: over which axis, and what returns the averaged shards."""
-  axis_name: AxisName | None   # None: local compression, nothing sent
-  gather: str                  # "bf16" or "quantized"
-  scatter: bool                # return this device's shard of each leaf, no gather
-  capacity_bits: float | None  # the all-to-all's codes Huffman-coded in slots of this many
-                               # bits a code; None: sent packed as they are
-
-  @property
-  def quantized_gather(self) -> bool:
-    return self.axis_name is not None and self.gather == "quantized" and not self.scatter
-
-  def rows(self) -> int:
-    """Devices on the axis: each bucket's rows (1 without an axis)."""
-    return 1 if self.axis_name is None else exchange.axis_size(self.axis_name)
-
-
-class CompressedBuckets(NamedTuple):
-  """A group's buckets after `kernels.compress_step`."""
-  packed: list          # uint8 [rows, blocks, len * bits / 8] per bucket: what is sent
-  scales: list | None   # float32 [rows, blocks] per bucket (None with a fixed scale)
-  state: GroupState     # the new error and error scale buckets (gather fields None)
-  decompressed: list    # float32 [rows, blocks, len] per bucket in local mode, else Nones
-  finite: jax.Array     # bool []: every gradient value was finite
-
-
-class Averaged(NamedTuple):
-  """A group's buckets after the exchange."""
-  values: list          # float32 [rows, blocks, len] per bucket (scatter: [blocks * len])
-  flags: jax.Array      # float32 []: 0, or NaN where some device saw a non-finite gradient
-  gather_error: Any     # the averaged shard's new error buckets (gather="quantized"), else None
-  gather_scale: Any
-
-
 def _check_exchange(axis_name, gather: str, scatter: bool, entropy_code: bool,
-                    capacity_bits: float | None, bits: int) -> Exchange:
+                    capacity_bits: float | None, bits: int) -> Averaging:
   if gather not in GATHER_MODES:
     raise ValueError(f"gather must be one of {GATHER_MODES}, got {gather!r}")
   if gather == "quantized" and axis_name is None:
@@ -82,90 +46,21 @@ def _check_exchange(axis_name, gather: str, scatter: bool, entropy_code: bool,
     if capacity_bits is not None:
       raise ValueError(f"capacity_bits={capacity_bits!r} sizes entropy_code's slots: pass "
                        f"entropy_code=True with it, or leave it None")
-    return Exchange(axis_name, gather, bool(scatter), None)
+    return Averaging(axis_name, gather, bool(scatter), None)
   if axis_name is None:
     raise ValueError("entropy_code=True needs an axis_name: it codes what the all-to-all sends, "
                      "and without an axis nothing is sent")
   capacity_bits = bits - 0.5 if capacity_bits is None else capacity_bits
   args.check_fraction(capacity_bits, f"capacity_bits (bits a {bits}-bit code, at most {bits})",
                       0.0, float(bits), closed_low=False)
-  return Exchange(axis_name, gather, bool(scatter), float(capacity_bits))
-
-
-def is_placeholder(params: Any) -> bool:
-  """Whether `params` is an object of no leaves that is not a container (optax's stand-in for
-  the params in `optax.tree_map_params`): init then marks its fields as not like the params."""
-  return not jax.tree.leaves(params) and not isinstance(params, (dict, list, tuple, type(None)))
-
-
-def bucket_plans(grads: leaves.Leaves, rows: int, block_size: int) -> dict:
-  """{group key: the bucket layout of the group's leaves} (`buckets.plan`)."""
-  return {group.key: buckets.plan(tuple(x.size if i in group.indices else 0
-                                        for i, x in enumerate(grads.leaves)), rows, block_size)
-          for group in grads.groups}
-
-
-def compress_buckets(grad_buckets: list, errors: tuple, error_scales: tuple | None,
-                     s: LocoSettings, reset, decompressed: bool, skip=None) -> CompressedBuckets:
-  """LoCo's step on every gradient bucket [rows, blocks, len] with its error bucket."""
-  packed, scales, new_errors, new_scales, values = [], [], [], [], []
-  finite = jnp.bool_(True)
-  for c, g in enumerate(grad_buckets):
-    rows, blocks, n = g.shape
-    out = kernels.compress_step(
-        g.reshape(-1), errors[c], None if error_scales is None else error_scales[c],
-        bits=s.bits, error_bits=s.error_bits, beta=s.beta, reset=reset, block_size=n,
-        decompressed=decompressed, fixed_scale=s.scale, fixed_error_scale=s.error_scale,
-        scale_method=s.scale_method, clip_rms=s.clip_rms, skip=skip)
-    packed.append(out.packed.reshape(rows, blocks, -1))
-    scales.append(out.scales.reshape(rows, blocks))
-    new_errors.append(out.error)
-    new_scales.append(out.error_scale)
-    values.append(None if out.decompressed is None else out.decompressed.reshape(rows, blocks, n))
-    finite &= out.finite
-  state = GroupState(tuple(new_errors), None if s.error_scale is not None else tuple(new_scales),
-                     None, None)
-  return CompressedBuckets(packed, None if s.scale is not None else scales, state, values,
-                           finite)
-
-
-def average(sent: CompressedBuckets, plan: buckets.Plan, old: GroupState, s: LocoSettings,
-            mode: Exchange, reset) -> Averaged:
-  """The mean over the axis of every device's decompressed buckets: one all-to-all of the
-  packed codes and scales, this device's shard averaged in float32, then a bfloat16 or
-  re-quantized all-gather (or nothing: scatter). The flags travel with the payload."""
-  flags = leaves.flag(sent.finite)
-  if mode.axis_name is None:
-    return Averaged(sent.decompressed, flags, None, None)
-  if mode.capacity_bits is None:
-    means, flags = bucketed.all_to_all_mean(sent.packed, sent.scales, s.scale, s.bits, flags,
-                                            mode.axis_name)
-  else:
-    means, flags = bucketed.coded_all_to_all_mean(
-        sent.packed, sent.scales, s.scale, s.bits, flags, mode.capacity_bits,
-        huffman_deflate, mode.axis_name)
-  if mode.scatter:
-    # No gather follows to bring the flags back replicated: one 4-byte all-reduce does (every
-    # device holds the same sum of the peers' flags; n times 0, NaN or inf keeps its meaning).
-    return Averaged(means, jax.lax.psum(flags, mode.axis_name), None, None)
-  if mode.gather == "bf16":
-    return Averaged(*bucketed.gather_bf16(means, plan, flags, mode.axis_name), None, None)
-  # The averaged shard is re-quantized with its own error: this device's row of every bucket
-  # (zero where a leaf is padded, as every peer's codes there are).
-  shard = compress_buckets([m.reshape(1, b, n) for m, b, n in zip(means, plan.blocks,
-                                                                  plan.block_lens)],
-                           old.gather_error, old.gather_scale, s, reset, False)
-  values, flags = bucketed.gather_packed(
-      [x[0] for x in shard.packed], None if shard.scales is None else [x[0] for x in shard.scales],
-      s.scale, s.bits, plan, flags, mode.axis_name)
-  return Averaged(values, flags, shard.state.error, shard.state.error_scale)
+  return Averaging(axis_name, gather, bool(scatter), float(capacity_bits))
 
 
 def group_step(group: leaves.Group, plan: buckets.Plan, grad_buckets: list, old: GroupState,
-               count: jax.Array, s: LocoSettings, mode: Exchange, skip=None) -> leaves.GroupResult:
+               count: jax.Array, s: LocoSettings, mode: Averaging, skip=None) -> leaves.GroupResult:
   """One group's step: compress its buckets, average them over the axis, and take each
   leaf's values out of the averaged buckets."""
-  reset = feedback.is_due(count, s.reset_interval)
+  reset = is_due(count, s.reset_interval)
   sent = compress_buckets(grad_buckets, old.error, old.error_scale, s, reset,
                           decompressed=mode.axis_name is None, skip=skip)
   averaged = average(sent, plan, old, s, mode, reset)
@@ -229,7 +124,7 @@ def loco(bits: int = 4, scale: float | None = None, error_bits: int | None = Non
             for key, plan in bucket_plans(grads, mode.rows(), s.block_size).items()}
 
   def init_fn(params):
-    if is_placeholder(params):  # optax.tree_map_params's: no state here mirrors the params
+    if trees.is_placeholder(params):  # optax.tree_map_params's: no state here mirrors the params
       return LocoState(jnp.zeros([], jnp.int32), *[jnp.zeros([], jnp.int8)] * 2)
     zeros = lambda x: jnp.zeros(x.shape, x.dtype)
     return LocoState(jnp.zeros([], jnp.int32),

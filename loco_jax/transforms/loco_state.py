@@ -35,18 +35,6 @@ class LocoState(NamedTuple):
   BY_BUCKET = PER_DEVICE  # per group and bucket, not trees like the params (local_blocks)
 
 
-def group_shapes(plan: buckets.Plan, block_scales: bool, quantized_gather: bool) -> GroupState:
-  """The shapes and dtypes of a group's state: one array per bucket of `plan`."""
-  def arrays(dtype, length):
-    return tuple(jax.ShapeDtypeStruct((length(plan.rows, b, n),), dtype)
-                 for b, n in zip(plan.blocks, plan.block_lens))
-  return GroupState(
-      arrays(jnp.int8, lambda rows, b, n: rows * b * n),
-      arrays(jnp.float32, lambda rows, b, n: rows * b) if block_scales else None,
-      arrays(jnp.int8, lambda rows, b, n: b * n) if quantized_gather else None,
-      arrays(jnp.float32, lambda rows, b, n: b) if quantized_gather and block_scales else None)
-
-
 def _shapes(field) -> str:
   shapes = [tuple(x.shape) for x in jax.tree.leaves(field)]
   return f"{len(shapes)} arrays of shapes {shapes[:4]}" + (" ..." if len(shapes) > 4 else "")

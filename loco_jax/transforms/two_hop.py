@@ -1,4 +1,8 @@
-"""Two-hop LoCo for a (node, local) mesh: a hop inside each node, then LoCo across nodes."""
+"""Two-hop LoCo for a (node, local) mesh: a hop inside each node, then LoCo across nodes.
+
+Both hops run LoCo's step on buckets (`transforms.bucket_step`): each hop lays its leaves out
+in buckets over its axis's devices, with an error of its own per bucket.
+"""
 
 from typing import Any, NamedTuple
 
@@ -6,27 +10,31 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from loco_jax.comm import exchange, wire
-from loco_jax.core import layout, leaves, local_blocks, quant, trees
-from loco_jax.kernels import feedback
-from loco_jax.transforms.settings import LocoSettings, resolve
+from loco_jax.comm import bucketed, gathers, wire
+from loco_jax.core import buckets, layout, leaves, local_blocks, quant, trees
+from loco_jax.transforms.bucket_step import (Averaging, average, bucket_plans, compress_buckets,
+                                             init_group, is_due)
+from loco_jax.transforms.loco_state import GroupState
+from loco_jax.transforms.settings import GATHER_MODES, LocoSettings, resolve
 
 INTRA_MODES = ("reduce_scatter", "loco")
-GATHER_MODES = ("bf16", "quantized")
 
 
 class TwoHopState(NamedTuple):
-  """Errors of both hops; every field but `count` differs per device."""
+  """Errors of both hops, one array per bucket of each group ({group key: tuple}, as in
+  `LocoState`); every field but `count` and `signature` differs per device."""
   count: jax.Array
-  error: Any              # int8 [size] per leaf: the intra-node hop's error (intra="loco")
-  error_scale: Any        # float32 [blocks] per leaf
-  node_error: Any         # int8 [shard_len(size, local)] per leaf: the inter-node hop's error
+  error: Any              # int8: the intra-node hop's error (intra="loco"), buckets over local
+  error_scale: Any        # float32 block scales of `error`
+  node_error: Any         # int8: the inter-node hop's error of the node shards, buckets over nodes
   node_error_scale: Any
-  gather_error: Any = None        # int8 per leaf: the node-averaged shard's error, re-quantized
-  gather_error_scale: Any = None  # for the gather across nodes (gather="quantized")
+  gather_error: Any = None        # int8: the node-averaged shard's error, re-quantized for the
+  gather_error_scale: Any = None  # gather across nodes (gather="quantized")
+  signature: Any = None   # trees.TreeSignature of the params
 
   PER_DEVICE = ("error", "error_scale", "node_error", "node_error_scale", "gather_error",
                 "gather_error_scale")
+  BY_BUCKET = PER_DEVICE
 
 
 class Hops(NamedTuple):
@@ -37,101 +45,97 @@ class Hops(NamedTuple):
   gather: str
   settings: LocoSettings
 
-  def step(self, g: jax.Array, error, error_scale, send: layout.LeafLayout,
-           count: jax.Array) -> feedback.Feedback:
-    s = self.settings
-    return feedback.feedback_step(g, error, error_scale, send,
-                                  feedback.is_due(count, s.reset_interval), s.bits, s.scale,
-                                  s.error_bits, s.error_scale, s.beta, s.block_size)
+  def sizes(self) -> tuple[int, int]:
+    """(devices in a node, nodes)."""
+    return (gathers.axis_size(self.local_axis, "two_hop"),
+            gathers.axis_size(self.node_axis, "two_hop"))
 
-  def wire_layout(self, size: int, rows: int) -> layout.LeafLayout:
-    return layout.leaf_layout(size, rows, self.settings.block_size
-                              if self.settings.scale is None else None)
-
-
-class Hop(NamedTuple):
-  """One hop's result for a group of leaves."""
-  shards: list            # float32 [row_len] per leaf: this device's averaged shard
-  flags: jax.Array
-  errors: list            # the hop's new error per leaf
-  error_scales: list
+  def plans(self, grads: leaves.Leaves) -> tuple[dict, dict]:
+    """Each group's bucket layouts: of the leaves over `local_axis`, of their node shards
+    (`layout.shard_len` of each leaf over the node's devices) over `node_axis`. None sent:
+    none, and no axis needs to be bound."""
+    if not grads.sent:
+      return {}, {}
+    local, nodes = self.sizes()
+    shard_sizes = [layout.shard_len(x.size, local) for x in grads.leaves]
+    block_size = self.settings.block_size
+    return (bucket_plans(grads, local, block_size),
+            bucket_plans(grads, nodes, block_size, shard_sizes))
 
 
-def intra_node(hops: Hops, grads: list, error: list, error_scale: list, count: jax.Array,
-               finite: jax.Array) -> Hop:
-  """Hop 1, over `local_axis`: the node's mean of this device's shard of each leaf, by a
-  float32 reduce-scatter or by LoCo's all-to-all (`intra="loco"`)."""
-  local = exchange.axis_size(hops.local_axis, "two_hop")
-  layouts = [hops.wire_layout(g.size, local) for g in grads]
+def _fields(hops: Hops, groups: dict) -> list:
+  """{group key: the group's six state fields} -> the six fields, each {group key: buckets} or
+  None where this mode has no such field."""
+  s = hops.settings
+  used = [hops.intra == "loco", hops.intra == "loco" and s.error_scale is None, True,
+          s.error_scale is None, hops.gather == "quantized",
+          hops.gather == "quantized" and s.error_scale is None]
+  return [{key: g[f] for key, g in groups.items()} if use else None
+          for f, use in enumerate(used)]
+
+
+def intra_node(hops: Hops, grads: leaves.Leaves, group: leaves.Group, plan: buckets.Plan,
+               old: GroupState, count: jax.Array) -> tuple[list, jax.Array, GroupState]:
+  """Hop 1, over `local_axis`: the node's mean of this device's shard of each leaf of the
+  group ([shard_len] float32 each), by a float32 reduce-scatter or by LoCo's all-to-all
+  (`intra="loco"`); the flags, agreed in the node; the hop's new error."""
+  flat = [grads.flat(i) if i in group.indices else None for i in range(len(grads.leaves))]
   if hops.intra == "reduce_scatter":
+    local = plan.rows
     down, up = quant.mean_factors(local)  # a sum of g / 2**k: finite g never overflow it
     # wire.reduce_scatter: one all-to-all in pieces on gloo, where a whole reduce-scatter runs
     # well below the link's rate (docs/NETWORK.md, "Two levels").
-    shards = [quant.saturate(wire.reduce_scatter(
-        layout.shard_rows(g * down, lay), hops.local_axis).reshape(-1) * up)
-              for g, lay in zip(grads, layouts)]
-    return Hop(shards, jax.lax.psum(leaves.flag(finite), hops.local_axis), error, error_scale)
-  steps = [hops.step(g, e, es, lay, count)
-           for g, e, es, lay in zip(grads, error, error_scale, layouts)]
-  finite = jnp.logical_and(finite, jnp.all(jnp.stack([f.finite for f in steps])))
-  shards, flags = exchange.all_to_all_mean([f.sent for f in steps], hops.settings.bits,
-                                           hops.settings.scale, leaves.flag(finite),
-                                           hops.local_axis)
-  return Hop([s.reshape(-1)[: lay.row_len] for s, lay in zip(shards, layouts)], flags,
-             [f.error for f in steps], [f.error_scale for f in steps])
+    shards = [None if g is None else quant.saturate(wire.reduce_scatter(
+        layout.shard_rows(g * down, layout.leaf_layout(g.size, local, None)),
+        hops.local_axis).reshape(-1) * up) for g in flat]
+    flags = jax.lax.psum(leaves.flag(grads.finite(group.indices)), hops.local_axis)
+    return shards, flags, old
+  s = hops.settings
+  sent = compress_buckets(buckets.to_buckets(flat, plan), old.error, old.error_scale, s,
+                          is_due(count, s.reset_interval), decompressed=False)
+  means, flags = bucketed.all_to_all_mean(sent.packed, sent.scales, s.scale, s.bits,
+                                          leaves.flag(sent.finite), hops.local_axis)
+  return buckets.shards(means, plan, buckets.starts(plan, count)), flags, sent.state
 
 
-def inter_node(hops: Hops, hop1: Hop, node_error: list, node_error_scale: list,
-               count: jax.Array) -> Hop:
-  """Hop 2, over `node_axis`: each node shard with its own error, re-quantized and averaged
-  by LoCo's all-to-all."""
-  nodes = exchange.axis_size(hops.node_axis, "two_hop")
-  layouts = [hops.wire_layout(s.size, nodes) for s in hop1.shards]
-  steps = [hops.step(s, e, es, lay, count)
-           for s, e, es, lay in zip(hop1.shards, node_error, node_error_scale, layouts)]
-  shards, flags = exchange.all_to_all_mean([f.sent for f in steps], hops.settings.bits,
-                                           hops.settings.scale, hop1.flags, hops.node_axis)
-  return Hop(shards, flags, [f.error for f in steps], [f.error_scale for f in steps])
-
-
-def across_nodes(hops: Hops, hop1: Hop, hop2: Hop, gather_error: list,
-                 gather_error_scale: list, count: jax.Array) -> tuple[list, jax.Array, Hop]:
-  """Each node shard's mean, gathered across nodes: in bfloat16, or re-quantized to `bits`
-  with an error of its own (gather="quantized": 4 bits instead of 16 on the slow links).
-  -> (the node shards, the flags, the gather's new errors as a `Hop`)."""
-  nodes = exchange.axis_size(hops.node_axis, "two_hop")
-  layouts = [hops.wire_layout(s.size, nodes) for s in hop1.shards]
-  if hops.gather == "bf16":
-    values, flags = exchange.gather_bf16([quant.saturate(s, jnp.bfloat16) for s in hop2.shards],
-                                         layouts, hop2.flags, hops.node_axis)
-    return values, flags, Hop([], flags, gather_error, gather_error_scale)
-  own = [hops.wire_layout(lay.row_len, 1) for lay in layouts]
-  steps = [hops.step(s.reshape(-1)[: lay.row_len], e, es, one, count) for s, e, es, lay, one
-           in zip(hop2.shards, gather_error, gather_error_scale, layouts, own)]
-  values, flags = exchange.gather_packed([f.sent for f in steps], layouts, hops.settings.bits,
-                                         hops.settings.scale, hop2.flags, hops.node_axis)
-  return values, flags, Hop([], flags, [f.error for f in steps], [f.error_scale for f in steps])
-
-
-def group_step(hops: Hops, grads: leaves.Leaves, group: leaves.Group, old: list,
-               count: jax.Array) -> leaves.GroupResult:
+def group_step(hops: Hops, grads: leaves.Leaves, group: leaves.Group, plans: tuple,
+               old: tuple, count: jax.Array) -> leaves.GroupResult:
   """Both hops and the two all-gathers (across nodes, then inside the node) for one group of
-  leaves; `old`: the state's fields per leaf."""
-  (error, error_scale, node_error, node_error_scale, gather_error,
-   gather_error_scale) = [[None if f is None else f[i] for i in group.indices] for f in old]
-  flat = [grads.flat(i) for i in group.indices]
-  # With intra="loco" the first hop's step reads the gradients (and their finiteness).
-  finite = jnp.bool_(True) if hops.intra == "loco" else grads.finite(group.indices)
-  hop1 = intra_node(hops, flat, error, error_scale, count, finite)
-  hop2 = inter_node(hops, hop1, node_error, node_error_scale, count)
-  node_shards, flags, returned = across_nodes(hops, hop1, hop2, gather_error,
-                                              gather_error_scale, count)
-  local = exchange.axis_size(hops.local_axis, "two_hop")
-  values, flags = exchange.gather_bf16(node_shards, [hops.wire_layout(g.size, local)
-                                                     for g in flat], flags, hops.local_axis)
-  new = [hop1.errors, hop1.error_scales, hop2.errors, hop2.error_scales, returned.errors,
-         returned.error_scales]
-  return leaves.GroupResult(lambda: values, flags, new)
+  leaves; `old`: the group's six state fields."""
+  plan1, plan2 = plans
+  s = hops.settings
+  shards, flags, hop1 = intra_node(hops, grads, group, plan1, GroupState(*old[:2], None, None),
+                                   count)
+  # Hop 2 and the gather across nodes: LoCo over `node_axis` on the node shards, the flags of
+  # the first hop (agreed in the node) sent with it.
+  reset = is_due(count, s.reset_interval)
+  sent = compress_buckets(buckets.to_buckets(shards, plan2), old[2], old[3], s, reset, False)
+  sent = sent._replace(finite=sent.finite & jnp.isfinite(flags))
+  node_old = GroupState(*old[2:])
+  averaged = average(sent, plan2, node_old, s, Averaging(hops.node_axis, hops.gather, False,
+                                                         None), reset)
+  node_shards = buckets.from_buckets(averaged.values, plan2, buckets.starts(plan2, count))
+  gathered, sides = gathers.gather_bf16([node_shards[i] for i in group.indices],
+                                        averaged.flags, hops.local_axis)
+  values = [v.reshape(-1)[: grads.leaves[i].size] for v, i in zip(gathered, group.indices)]
+  new = (hop1.error, hop1.error_scale, sent.state.error, sent.state.error_scale,
+         averaged.gather_error, averaged.gather_scale)
+  return leaves.GroupResult(values, sides[0], new)
+
+
+def _check_state(state: Any, updates: Any, expected: TwoHopState) -> None:
+  """ValueError where `updates` is not like the params of `state`, or `state` not what init
+  builds for them (another two_hop's settings, another mesh)."""
+  if isinstance(state.signature, trees.TreeSignature):
+    state.signature.check(updates, "two_hop")
+  shapes = lambda s: [(f, jax.tree.structure(x), [(jnp.shape(a), jnp.result_type(a))
+                                                  for a in jax.tree.leaves(x)])
+                      for f, x in zip(TwoHopState.PER_DEVICE, s[1:7])]
+  for have, want in zip(shapes(state), shapes(expected)):
+    if have != want:
+      raise ValueError(f"two_hop: state.{have[0]} holds {have[2][:4]}, but this gradient tree "
+                       f"needs {want[2][:4]} (one array per bucket): the state must come from a "
+                       f"two_hop with the same settings, on the same mesh")
 
 
 def two_hop(node_axis: str = "node", local_axis: str = "local", intra: str = "reduce_scatter",
@@ -177,37 +181,31 @@ def two_hop(node_axis: str = "node", local_axis: str = "local", intra: str = "re
     raise ValueError(f"node_axis and local_axis must differ, both are {node_axis!r}")
   hops = Hops(node_axis, local_axis, intra, gather, settings)
   axes = (node_axis, local_axis)
-
-  def buffers(size):
-    blocks = layout.leaf_layout(size, 1, settings.block_size).blocks if size else 0
-    return jnp.zeros((size,), jnp.int8), jnp.zeros((blocks,), jnp.float32)
+  block_scales = settings.error_scale is None
 
   def init_fn(params):
+    if trees.is_placeholder(params):  # optax.tree_map_params's: no state here mirrors the params
+      return TwoHopState(jnp.zeros([], jnp.int32), *[jnp.zeros([], jnp.int8)] * 7)
     grads = leaves.split(params, axes)
-    sizes = [x.size if i in grads.sent else 0 for i, x in enumerate(grads.leaves)]
-    local, nodes = ((exchange.axis_size(local_axis, "two_hop"),
-                     exchange.axis_size(node_axis, "two_hop")) if any(sizes) else (1, 1))
-    node_sizes = [layout.shard_len(n, local) if n else 0 for n in sizes]
-    own = [buffers(n if intra == "loco" else 0) for n in sizes]
-    node = [buffers(n) for n in node_sizes]
-    returned = [buffers(layout.shard_len(n, nodes) if n else 0) for n in node_sizes]
-    pick = lambda bufs, j, used=True: grads.tree([b[j] for b in bufs]) if used else None
-    fixed, quantized = error_scale is not None, gather == "quantized"
-    return TwoHopState(jnp.zeros([], jnp.int32), pick(own, 0), pick(own, 1, not fixed),
-                       pick(node, 0), pick(node, 1, not fixed), pick(returned, 0, quantized),
-                       pick(returned, 1, quantized and not fixed))
+    plans1, plans2 = hops.plans(grads)
+    hop1 = lambda key: (init_group(plans1[key], block_scales, False)[:2] if intra == "loco"
+                        else (None, None))
+    groups = {key: hop1(key) + init_group(plans2[key], block_scales, gather == "quantized")
+              for key in plans1}
+    return TwoHopState(jnp.zeros([], jnp.int32), *_fields(hops, groups),
+                       trees.TreeSignature.of(params))
 
   def update_fn(updates, state):
-    trees.check_state_matches("two_hop", updates, state, init_fn(updates))
-    grads, count = leaves.split(updates, axes), state.count
-    if not grads.sent:  # nothing to compress or send
-      return updates, state._replace(count=optax.safe_increment(count))
-    fields = state[1:]
-    old = [grads.per_leaf(f) for f in fields]
-    mapped = grads.map_groups(lambda group: group_step(hops, grads, group, old, count))
-    done = grads.finish(mapped, grads.by_leaf(mapped.states, old), old, count)
-    return done.update, TwoHopState(done.count, *[grads.tree(x, like)
-                                                  for x, like in zip(done.state, fields)])
+    _check_state(state, updates, init_fn(updates))
+    grads = leaves.split(updates, axes)
+    plans1, plans2 = hops.plans(grads)
+    old = {g.key: tuple(None if f is None else f[g.key] for f in state[1:7])
+           for g in grads.groups}
+    mapped = grads.map_groups(lambda group: group_step(
+        hops, grads, group, (plans1[group.key], plans2[group.key]), old[group.key],
+        state.count))
+    done = grads.finish(mapped, mapped.states, old, state.count)
+    return done.update, TwoHopState(done.count, *_fields(hops, done.state), state.signature)
 
   return optax.GradientTransformationExtraArgs(
       local_blocks.local_init(init_fn, axes, specs, "two_hop"),
