@@ -118,42 +118,47 @@ def loco(bits: int = 4, scale: float | None = None, error_bits: int | None = Non
   s = resolve(bits, scale, error_bits, error_scale, beta, reset_interval, block_size,
               scale_method, clip_rms)
   mode = _check_exchange(axis_name, gather, scatter, entropy_code, capacity_bits, s.bits)
-
-  def expected(grads: leaves.Leaves) -> dict:
-    return {key: group_shapes(plan, s.error_scale is None, mode.quantized_gather)
-            for key, plan in bucket_plans(grads, mode.rows(), s.block_size).items()}
-
-  def init_fn(params):
-    if trees.is_placeholder(params):  # optax.tree_map_params's: no state here mirrors the params
-      return LocoState(jnp.zeros([], jnp.int32), *[jnp.zeros([], jnp.int8)] * 2)
-    zeros = lambda x: jnp.zeros(x.shape, x.dtype)
-    return LocoState(jnp.zeros([], jnp.int32),
-                     jax.tree.map(zeros, expected(leaves.split(params, axis_name))),
-                     trees.TreeSignature.of(params))
-
-  def update_fn(updates, state):
-    grads = leaves.split(updates, axis_name)
-    check_state(state, updates, expected(grads))
-    count = state.count
-    if not grads.sent:  # nothing to compress or send
-      return updates, state._replace(count=optax.safe_increment(count))
-    plans = bucket_plans(grads, mode.rows(), s.block_size)
-    filled = {key: buckets.to_buckets([grads.flat(i) if p.leaves[i] else None
-                                       for i in range(len(grads.leaves))], p)
-              for key, p in plans.items()}
-    finite = workarounds.finite_first(
-        [g for grad_buckets in filled.values() for g in grad_buckets],
-        local=mode.axis_name is None, has_bare_leaf=any(p.has_bare_leaf() for p in plans.values()))
-    prechecked = None if finite is None else grads.agree(leaves.flag(finite))
-    skip = None if prechecked is None else jnp.isnan(prechecked)
-    mapped = grads.map_groups(lambda group: group_step(
-        group, plans[group.key], filled[group.key], state.groups[group.key], count, s, mode,
-        skip))
-    done = grads.finish(mapped, mapped.states, state.groups, count,
-                        shards=mode.rows() if mode.scatter else None, prechecked=prechecked)
-    return done.update, LocoState(done.count, done.state, state.signature)
-
   return optax.GradientTransformationExtraArgs(
-      local_blocks.local_init(init_fn, axis_name, specs, "loco"),
-      local_blocks.local_update(update_fn, axis_name, specs, flat_output=mode.scatter,
-                                name="loco"))
+      local_blocks.local_init(lambda params: init(s, mode, params), axis_name, specs, "loco"),
+      local_blocks.local_update(lambda updates, state: update(s, mode, updates, state),
+                                axis_name, specs, flat_output=mode.scatter, name="loco"))
+
+
+def expected_groups(s: LocoSettings, mode: Averaging, grads: leaves.Leaves) -> dict:
+  """{group key: the shapes of its state} (`bucket_step.group_shapes`)."""
+  return {key: group_shapes(plan, s.error_scale is None, mode.quantized_gather)
+          for key, plan in bucket_plans(grads, mode.rows(), s.block_size).items()}
+
+
+def init(s: LocoSettings, mode: Averaging, params: Any) -> LocoState:
+  """The zero state for `params` (inside jax.shard_map when there is an axis)."""
+  if trees.is_placeholder(params):
+    return LocoState(jnp.zeros([], jnp.int32), *[jnp.zeros([], jnp.int8)] * 2)
+  zeros = lambda x: jnp.zeros(x.shape, x.dtype)
+  groups = expected_groups(s, mode, leaves.split(params, mode.axis_name))
+  return LocoState(jnp.zeros([], jnp.int32), jax.tree.map(zeros, groups),
+                   trees.TreeSignature.of(params))
+
+
+def update(s: LocoSettings, mode: Averaging, updates: Any,
+           state: LocoState) -> tuple[Any, LocoState]:
+  """One step: each group's buckets compressed and averaged, then kept or skipped together."""
+  grads = leaves.split(updates, mode.axis_name)
+  check_state(state, updates, expected_groups(s, mode, grads))
+  if not grads.sent:  # nothing to compress or send
+    return updates, state._replace(count=optax.safe_increment(state.count))
+  plans = bucket_plans(grads, mode.rows(), s.block_size)
+  filled = {key: buckets.to_buckets([grads.flat(i) if p.leaves[i] else None
+                                     for i in range(len(grads.leaves))], p)
+            for key, p in plans.items()}
+  finite = workarounds.finite_first([g for group in filled.values() for g in group],
+                                    local=mode.axis_name is None,
+                                    has_bare_leaf=any(p.has_bare_leaf() for p in plans.values()))
+  prechecked = None if finite is None else grads.agree(leaves.flag(finite))
+  skip = None if prechecked is None else jnp.isnan(prechecked)
+  mapped = grads.map_groups(lambda group: group_step(
+      group, plans[group.key], filled[group.key], state.groups[group.key], state.count, s,
+      mode, skip))
+  done = grads.finish(mapped, mapped.states, state.groups, state.count,
+                      shards=mode.rows() if mode.scatter else None, prechecked=prechecked)
+  return done.update, LocoState(done.count, done.state, state.signature)
