@@ -69,8 +69,8 @@ def main() -> int:
     gap = np.abs(np.asarray(out) - want_bf16) / np.maximum(np.abs(want_bf16), 1e-30)
     worst = max(worst, float(np.max(gap)))
     # One leaf in whole blocks: one bucket, the same layout on the 1-device mesh as locally.
-    diff = np.abs(np.asarray(state.error[""][0], np.int32) -
-                  np.asarray(local_state.error[""][0], np.int32))
+    diff = np.abs(np.asarray(state.groups[""].error[0], np.int32) -
+                  np.asarray(local_state.groups[""].error[0], np.int32))
     codes_off, codes_far = codes_off + int(np.sum(diff != 0)), codes_far + int(np.sum(diff > 1))
   checks = [
       ("auto picks the Pallas kernel", kernels.chosen_implementation() == "pallas"),

@@ -103,7 +103,6 @@ class ProtoState(NamedTuple):
   error: Any          # float32 (e32) or int8 (e8) [blocks, block_len] per leaf
   error_scale: Any    # float32 [blocks, 1] per leaf (e8), else size-0
 
-  PER_DEVICE = ("error", "error_scale")
 
 
 def _layout(size: int, block_size: int) -> tuple[int, int]:
@@ -115,6 +114,9 @@ def proto_compressor(p: Proto, axis_name: str | None = "data"):
   import jax
   import jax.numpy as jnp
   import optax
+  from loco_jax.transforms.specs import register_per_device
+
+  register_per_device(ProtoState, ("error", "error_scale"))
 
   def init_fn(params):
     def error(x):

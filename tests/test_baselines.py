@@ -7,11 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import PartitionSpec as P
 
 from loco_jax import comm, loco
 from loco_jax.core import buckets
-from loco_jax.train import parallel
+from loco_jax.transforms import specs
 from loco_jax.transforms import baselines
 
 N = 8
@@ -324,7 +323,7 @@ def test_mesh_output_is_the_mean_of_local_decompressions(mesh, name, shard_mappe
                 - 1e-6 * np.abs(want))
       assert excess.max() <= 1e-7, (k, excess.max())
     previous = out
-    for field in getattr(state, "PER_DEVICE", ()):
+    for field in specs.per_device_fields(state):
       mine = _per_device(getattr(state, field))
       for d in range(N):
         theirs = jax.tree.map(np.asarray, getattr(local_states[d], field))

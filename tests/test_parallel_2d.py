@@ -74,8 +74,8 @@ def _specs_of(tree):
 
 def _error_specs(state) -> dict:
   """The specs of LoCo's error buckets, per group (the axes its leaves are split over)."""
-  return {key: {e.sharding.spec for e in arrays}
-          for key, arrays in state.compressor_state.error.items()}
+  return {key: {e.sharding.spec for e in group.error}
+          for key, group in state.compressor_state.groups.items()}
 
 
 @pytest.mark.slow
@@ -119,7 +119,7 @@ def test_ddp_with_loco_compresses_model_shards_and_trains_like_the_data_mesh():
   assert _error_specs(state) == {"model": {P(("data", "model"))}, "": {P("data")}}
   split, whole = buckets.plan((32, 512, 128), DATA, 2048), buckets.plan((4,), DATA, 2048)
   size = lambda p: sum(p.rows * b * n for b, n in zip(p.blocks, p.block_lens))
-  errors = state.compressor_state.error
+  errors = {key: group.error for key, group in state.compressor_state.groups.items()}
   assert sum(e.size for e in errors["model"]) == DATA * MODEL * size(split)
   assert sum(e.size for e in errors[""]) == DATA * size(whole)
   assert size(split) < (16 * 64 + 64 + 64 * 4) // MODEL + 2 * 8 * DATA  # blocks, not leaves
@@ -246,7 +246,8 @@ def test_a_nonfinite_gradient_in_one_model_shard_is_skipped_on_every_device():
   _, state, _, _ = _train(mesh, _placed(mesh), loco(axis_name="data"), steps=1,
                           loss_fn=loss_fn)
   assert int(state.compressor_state.count) == 0
-  for error in jax.tree.leaves(state.compressor_state.error):  # kept (zero) on every device
+  # Kept (zero) on every device.
+  for error in jax.tree.leaves([g.error for g in state.compressor_state.groups.values()]):
     assert not np.any(np.asarray(error)), error.sharding
   for name in SPECS:  # LoCo's output is NaN on every shard, split or replicated, so adam's is
     assert np.isnan(np.asarray(state.params[name])).all(), name
@@ -381,9 +382,10 @@ def test_init_opt_state_on_a_data_model_mesh_runs_the_readme_recipe(told):
         return opt.update(g, s, p)
   state, specs = parallel.init_opt_state(opt, params, mesh)
   assert specs == parallel.opt_state_specs(opt, params, mesh)
-  assert {k: [s] for k, (s, *_) in specs[0].error.items()} == {"": [P("data")],
-                                                             "model": [P("data")]}
-  for error in state[0].error["model"]:  # each device keeps the error of its own model blocks
+  assert {k: [g.error[0]] for k, g in specs[0].groups.items()} == {"": [P("data")],
+                                                                 "model": [P("data")]}
+  # Each device keeps the error of its own model blocks.
+  for error in state[0].groups["model"].error:
     assert sharding.same_specs(error.sharding.spec, P(("data", "model")))
   step = jax.jit(jax.shard_map(update, mesh=mesh, in_specs=(P("data"), specs, P()),
                                out_specs=(P(), specs), axis_names={"data"}))

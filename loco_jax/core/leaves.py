@@ -97,6 +97,24 @@ def key_axes(key: str) -> tuple[str, ...]:
   return tuple(a for a in key.split(",") if a)
 
 
+@jax.tree_util.register_pytree_with_keys_class
+class ByGroup(dict):
+  """A state field per group of leaves: {group key (`group_key`): that group's arrays}. Its
+  arrays are split over the group's axes on a mesh (`core.local_blocks`)."""
+
+  def tree_flatten_with_keys(self):
+    keys = sorted(self)
+    return [(jax.tree_util.DictKey(k), self[k]) for k in keys], tuple(keys)
+
+  def tree_flatten(self):
+    keys = sorted(self)
+    return [self[k] for k in keys], tuple(keys)
+
+  @classmethod
+  def tree_unflatten(cls, keys, children):
+    return cls(zip(keys, children))
+
+
 class Group(NamedTuple):
   """Leaves that vary over the same non-averaged axes, compressed and sent together."""
   key: str                  # `group_key(axes)`: the group's name in per-group state
@@ -194,7 +212,8 @@ class Leaves(NamedTuple):
     shaped = shards is None
     if prechecked is not None:
       return Finished(self.outputs(mapped.values, None, shaped), new, count)
-    return Finished(self.outputs(mapped.values, mapped.flags, shaped),
+    # NaN, not the flags themselves: a peer's stream that did not decode flags +inf.
+    return Finished(self.outputs(mapped.values, flag(finite), shaped),
                     keep_if(finite, new, old), count)
 
   def by_leaf(self, states: dict, fields: list[list]) -> list[list]:

@@ -186,25 +186,22 @@ def _warn_if_gathered(flat: list, context, averaged: leaves.AxisNames, specs,
 
 def state_specs_on_blocks(state: Any, treedef: Any, blocks: LocalBlocks) -> Any:
   """Specs of a transformation's state on the nested shard_map: a field shaped like the
-  gradient tree follows each leaf (flat, over the leaf's axes); a field that a state class lists
-  in `BY_BUCKET` is a dict keyed by `leaves.group_key` (the axes its arrays' leaves are split
-  over) and split over those; other arrays with a dimension (per-device statistics) are split
+  gradient tree follows each leaf (flat, over the leaf's axes); a `leaves.ByGroup` field is
+  split over each group's axes; other arrays with a dimension (per-device statistics) are split
   over every axis; scalars (step counters) are replicated. A chain's states: each alike."""
-  by_group = getattr(state, "BY_BUCKET", ())
-
-  def field(value, name=None):
+  def field(value):
     if value is None:
       return None
-    if name in by_group and isinstance(value, dict):  # {group key: arrays}
-      return {key: jax.tree.map(lambda _, key=key: P(tuple(
+    if isinstance(value, leaves.ByGroup):
+      return leaves.ByGroup({key: jax.tree.map(lambda _, key=key: P(tuple(
           a for a in blocks.axes if a in leaves.key_axes(key))) if key else P(), arrays)
-              for key, arrays in value.items()}
+          for key, arrays in value.items()})
     if jax.tree.structure(value) == treedef:
       return treedef.unflatten([P(axes) if axes and np.ndim(v) else P() for v, axes in zip(
           treedef.flatten_up_to(value), blocks.leaf_axes)])
     return jax.tree.map(lambda v: P(blocks.axes) if np.ndim(v) else P(), value)
   if isinstance(state, tuple) and hasattr(state, "_fields"):
-    return type(state)(*[field(v, name) for v, name in zip(state, state._fields)])
+    return type(state)(*[field(v) for v in state])
   if type(state) in (tuple, list) and jax.tree.structure(state) != treedef:  # a chain's
     return type(state)(state_specs_on_blocks(s, treedef, blocks) for s in state)
   return field(state)

@@ -25,15 +25,11 @@ class ErrorFeedbackState(NamedTuple):
   """State of `error_feedback`, `sign_ef` and `topk_ef`; the error differs per device."""
   error: optax.Updates      # float32 [size] per leaf (size 0 for leaves passed through): h - d
 
-  PER_DEVICE = ("error",)
-
 
 class EF21State(NamedTuple):
   """State of `ef21`: this device's estimate g_i and the averaged estimate g (replicated)."""
   local: optax.Updates      # float32 [size] per leaf: g_i, differs per device
   estimate: optax.Updates   # float32 [size] per leaf: g, the output, the same on every device
-
-  PER_DEVICE = ("local",)
 
 
 # --- Argument checks ----------------------------------------------------------------------------
@@ -148,8 +144,8 @@ def int_quantized(bits: int = 4, block_size: int = 2048,
   with one float32 scale each, s = (2**(bits-1) - 1) / max|g|; d = round(s * g) / s: LoCo's
   fused step from a zero error, as `loco(beta=1.0)`. With an axis the output is the mean of
   every device's d over LoCo's wire: one all-to-all of packed codes and scales, a float32
-  average of this device's shard, and a bfloat16 all-gather (bits + 16 bits a parameter). A non-finite gradient (on any device) makes
-  every output NaN; finite ones give finite outputs (q / s, the mean and the casts saturate at
+  average of this device's shard, and a bfloat16 all-gather (bits + 16 bits a parameter). A
+  non-finite gradient (on any device) makes every output NaN; finite ones give finite outputs (q / s, the mean and the casts saturate at
   the largest finite value, as in `loco`). Non-float and zero-size leaves pass through; dtypes
   are kept. `scale_method="rms"` with `clip_rms` uses loco's clipped-rms block scale instead
   (`quant.rms_scale`); the default stays absmax at every width (the classic comparator).

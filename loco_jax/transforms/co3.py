@@ -36,7 +36,7 @@ FORMATS = {"fp4": fp.FP4, "fp8": fp.FP8}
 
 
 class Co3State(NamedTuple):
-  """CO3's state; the `PER_DEVICE` fields differ per device."""
+  """CO3's state; `error`, `scale` and `coded_bits` differ per device."""
   count: jax.Array          # int32 steps taken; drives the refits
   error: optax.Updates      # float32 [size] per leaf: e = a - q
   scale: optax.Updates      # float32 [1] per leaf: the small-float scale from the last fit
@@ -44,8 +44,6 @@ class Co3State(NamedTuple):
   overflows: jax.Array      # int32: steps that went raw because a stream did not fit its slot
   extended: jax.Array       # int32: steps where some stream took its slot's extension
   rejected: jax.Array       # int32: steps skipped because a peer's stream did not decode
-
-  PER_DEVICE = ("error", "scale", "coded_bits")
 
 
 class Converted(NamedTuple):

@@ -126,8 +126,8 @@ def loco(bits: int = 4, scale: float | None = None, error_bits: int | None = Non
 
 def expected_groups(s: LocoSettings, mode: Averaging, grads: leaves.Leaves) -> dict:
   """{group key: the shapes of its state} (`bucket_step.group_shapes`)."""
-  return {key: group_shapes(plan, s.error_scale is None, mode.quantized_gather)
-          for key, plan in bucket_plans(grads, mode.rows(), s.block_size).items()}
+  return leaves.ByGroup({key: group_shapes(plan, s.error_scale is None, mode.quantized_gather)
+                        for key, plan in bucket_plans(grads, mode.rows(), s.block_size).items()})
 
 
 def init(s: LocoSettings, mode: Averaging, params: Any) -> LocoState:
@@ -159,6 +159,6 @@ def update(s: LocoSettings, mode: Averaging, updates: Any,
   mapped = grads.map_groups(lambda group: group_step(
       group, plans[group.key], filled[group.key], state.groups[group.key], state.count, s,
       mode, skip))
-  done = grads.finish(mapped, mapped.states, state.groups, state.count,
+  done = grads.finish(mapped, leaves.ByGroup(mapped.states), state.groups, state.count,
                       shards=mode.rows() if mode.scatter else None, prechecked=prechecked)
   return done.update, LocoState(done.count, done.state, state.signature)

@@ -28,11 +28,8 @@ class LocoState(NamedTuple):
   axis splits some; those of "model" differ per model shard, the others do not.
   """
   count: jax.Array   # int32 steps taken; drives the periodic reset
-  groups: Any        # {group key: GroupState}
+  groups: Any        # leaves.ByGroup: {group key: GroupState}
   signature: Any     # trees.TreeSignature of the params: their structure and shapes, no array
-
-  PER_DEVICE = ("groups",)
-  BY_BUCKET = PER_DEVICE  # per group and bucket, not trees like the params (local_blocks)
 
 
 def _shapes(field) -> str:
@@ -82,14 +79,14 @@ def error_by_leaf(state: LocoState, params: Any, block_size: int = 2048,
   if not set(state.groups) <= {""}:
     raise ValueError(f"error_by_leaf: the state has the groups {sorted(state.groups)}; it "
                      f"shows one device's state of leaves not split over a model axis (\"\")")
-  group = state.groups.get("", GroupState((), None, None, None))
+  group = state.groups.get("", GroupState((), None, None, None))  # no leaf: no group
   error_buckets, scale_buckets = group.error, group.error_scale
   if ([(tuple(e.shape), e.dtype) for e in error_buckets] != expected or
       scale_buckets is not None and [s.shape for s in scale_buckets] != [
           (rows * b,) for b in p.blocks]):
     raise ValueError(f"error_by_leaf: the state's error holds {_shapes(error_buckets)}, but "
-                     f"params laid out in blocks of {block_size} over {rows} rows need {len(expected)} "
-                     f"arrays of shapes {[s for s, _ in expected][:4]}: pass the params, "
+                     f"params laid out in blocks of {block_size} over {rows} rows need "
+                     f"{len(expected)} arrays of shapes {[s for s, _ in expected][:4]}: pass the params, "
                      f"block_size and rows (devices on the axis) the state was made for")
   block_starts = [[q.block0 for q in leaf.pieces] if leaf else None for leaf in p.leaves]
   as_tree = lambda per_leaf, dtype: tree.tree(

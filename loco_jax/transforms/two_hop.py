@@ -32,10 +32,6 @@ class TwoHopState(NamedTuple):
   gather_error_scale: Any = None  # gather across nodes (gather="quantized")
   signature: Any = None   # trees.TreeSignature of the params
 
-  PER_DEVICE = ("error", "error_scale", "node_error", "node_error_scale", "gather_error",
-                "gather_error_scale")
-  BY_BUCKET = PER_DEVICE
-
 
 class Hops(NamedTuple):
   """Where and how the two hops run."""
@@ -70,7 +66,7 @@ def _fields(hops: Hops, groups: dict) -> list:
   used = [hops.intra == "loco", hops.intra == "loco" and s.error_scale is None, True,
           s.error_scale is None, hops.gather == "quantized",
           hops.gather == "quantized" and s.error_scale is None]
-  return [{key: g[f] for key, g in groups.items()} if use else None
+  return [leaves.ByGroup({key: g[f] for key, g in groups.items()}) if use else None
           for f, use in enumerate(used)]
 
 
@@ -130,7 +126,7 @@ def _check_state(state: Any, updates: Any, expected: TwoHopState) -> None:
     state.signature.check(updates, "two_hop")
   shapes = lambda s: [(f, jax.tree.structure(x), [(jnp.shape(a), jnp.result_type(a))
                                                   for a in jax.tree.leaves(x)])
-                      for f, x in zip(TwoHopState.PER_DEVICE, s[1:7])]
+                      for f, x in zip(TwoHopState._fields[1:7], s[1:7])]
   for have, want in zip(shapes(state), shapes(expected)):
     if have != want:
       raise ValueError(f"two_hop: state.{have[0]} holds {have[2][:4]}, but this gradient tree "
