@@ -128,7 +128,7 @@ for name, compressor in compressors.items():
         f"({time.perf_counter() - start:.1f} s with compilation)")
 
 state = runs["LoCo 4-bit"][0]
-error = state.compressor_state.error["layers"][0]["kernel"]
+error = state.compressor_state.groups[""].error[0]  # one array per bucket (error_by_leaf: per leaf)
 per_device = error.reshape(8, -1)
 print("LoCo error of one leaf, global shape (8 devices x size):", error.shape, error.dtype,
       "| devices 0 and 1 differ:", bool(jnp.any(per_device[0] != per_device[1])))"""),

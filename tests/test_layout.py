@@ -87,6 +87,42 @@ def test_layers_only_point_down_and_no_private_name_crosses_a_module():
   assert not private, private
 
 
+def _module_names(name: str) -> set[str]:
+  """The names by which module `name` refers to other library modules it imports."""
+  bound = set()
+  for node in ast.walk(_source(name)[1]):
+    if isinstance(node, ast.ImportFrom) or isinstance(node, ast.Import):
+      for a in node.names:
+        full = a.name if isinstance(node, ast.Import) else f"{node.module}.{a.name}"
+        if isinstance(node, ast.ImportFrom) and node.level:
+          full = f"{name.rpartition('.')[0]}.{node.module + '.' if node.module else ''}{a.name}"
+        if full in LIBRARY or full == "loco_jax":
+          bound.add(a.asname or a.name.split(".")[0])
+  return bound
+
+
+def test_no_private_name_is_read_from_another_module():
+  # `module._name` crosses a module as surely as `from module import _name`.
+  reads = []
+  for name in LIBRARY:
+    modules = _module_names(name)
+    for node in ast.walk(_source(name)[1]):
+      if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+          and node.value.id in modules and node.attr.startswith("_")
+          and not node.attr.startswith("__")):
+        reads.append(f"{name}:{node.lineno} reads {node.value.id}.{node.attr}")
+  assert not reads, reads
+
+
+def test_the_private_read_check_sees_a_private_read(tmp_path, monkeypatch):
+  (tmp_path / "reader.py").write_text("from loco_jax.core import quant\n\n\ndef f():\n  return quant._private\n")
+  monkeypatch.syspath_prepend(str(tmp_path))
+  monkeypatch.setattr(sys.modules[__name__], "LIBRARY", LIBRARY + ["reader"])
+  assert _module_names("reader") == {"quant"}
+  with pytest.raises(AssertionError, match=r"reader:5 reads quant._private"):
+    test_no_private_name_is_read_from_another_module()
+
+
 def test_no_import_cycle():
   edges = {name: set() for name in LIBRARY}
   for name in LIBRARY:
