@@ -73,7 +73,7 @@ def main(argv=None) -> dict:
   from loco_jax.comm import coded
   from loco_jax.core import layout, quant
   from loco_jax.train import parallel
-  from loco_jax.transforms import co3_exchange, co3_host
+  from loco_jax.transforms import co3_exchange, co3_host, co3_settings
   co3_module = importlib.import_module("loco_jax.transforms.co3")  # the package exports co3()
 
   n, size, parts = args.devices, args.params, args.parts.split(",")
@@ -81,7 +81,7 @@ def main(argv=None) -> dict:
   rng = np.random.default_rng(0)
   g = gennorm.sample(rng, 1.0, 1e-3, (size,)).astype(np.float32)
   leaf_grads = [jnp.asarray(x) for x in g.reshape(4, -1)]
-  settings = co3_exchange.Co3Settings(fp.FP4, 0.7, 100, True, "data",
+  settings = co3_settings.Co3Settings(fp.FP4, 0.7, 100, True, "data",
                                       co3_host.default_capacity_bits(fp.FP4), "bf16",
                                       "all_to_all", None, None)
   layouts = [layout.leaf_layout(x.size, n, None) for x in leaf_grads]

@@ -27,12 +27,11 @@ import optax
 from loco_jax import comm
 from loco_jax.codecs import fp
 from loco_jax.core import layout, leaves, local_blocks, quant, trees
-from loco_jax.transforms import co3_exchange, co3_host
-from loco_jax.transforms.co3_exchange import EXCHANGES, GATHERS, Co3Settings
+from loco_jax.transforms import co3_exchange, co3_host, co3_settings
+from loco_jax.transforms.co3_settings import Co3Settings
 from loco_jax.transforms.co3_host import (default_capacity_bits, fitted_scale,  # noqa: F401
                                          usual_capacity_bits)
 
-FORMATS = {"fp4": fp.FP4, "fp8": fp.FP8}
 
 
 class Co3State(NamedTuple):
@@ -102,53 +101,12 @@ def co3(fmt: str = "fp4", gamma: float = 0.7, refit_interval: int = 100,
     >>> opt = optax.chain(loco_jax.co3("fp4", gamma=0.7), optax.sgd(0.1))
     >>> updates, state = opt.update(grads, opt.init(params))
   """
-  settings = _settings(fmt, gamma, refit_interval, entropy_code, axis_name, capacity_bits,
-                       gather, exchange, specs, gather_capacity_bits)
+  settings = co3_settings.resolve(fmt, gamma, refit_interval, entropy_code, axis_name,
+                                  capacity_bits, gather, exchange, specs, gather_capacity_bits)
   return optax.GradientTransformationExtraArgs(
       local_blocks.local_init(lambda params: init(settings, params), axis_name, specs, "co3"),
       local_blocks.local_update(lambda updates, state: update(settings, updates, state),
                                 axis_name, specs, name="co3"))
-
-
-def _settings(fmt, gamma, refit_interval, entropy_code, axis_name, capacity_bits, gather,
-              exchange, specs, gather_capacity_bits) -> Co3Settings:
-  """The checked settings; ValueError naming the argument otherwise."""
-  if fmt not in FORMATS:
-    raise ValueError(f"fmt must be one of {tuple(FORMATS)}, got {fmt!r}")
-  if not (isinstance(gamma, jax.core.Tracer) or 0.0 <= float(gamma) <= 1.0):
-    raise ValueError(f"gamma must be in [0, 1] (1 is classic error feedback, 0 none), "
-                     f"got {gamma}")
-  if isinstance(refit_interval, bool) or not isinstance(refit_interval, int) or refit_interval < 1:
-    raise ValueError(f"refit_interval must be an int >= 1, got {refit_interval!r}")
-  for name, bits in (("capacity_bits", capacity_bits),
-                     ("gather_capacity_bits", gather_capacity_bits)):
-    if bits is not None and not 0 < bits <= 8:
-      raise ValueError(f"{name} must be in (0, 8] bits per symbol or None, got {bits}")
-  if gather not in GATHERS or exchange not in EXCHANGES:
-    raise ValueError(f"gather must be one of {GATHERS} and exchange one of {EXCHANGES}, got "
-                     f"gather={gather!r}, exchange={exchange!r}")
-  if gather_capacity_bits is not None and (gather != "coded" or not entropy_code):
-    raise ValueError(f"gather_capacity_bits sizes the coded gather's slots: it needs "
-                     f"gather='coded' and entropy_code=True, got gather={gather!r}, "
-                     f"entropy_code={entropy_code}")
-  if axis_name is None and (gather != "bf16" or exchange != "auto"):
-    raise ValueError("gather= and exchange= choose how devices exchange: they need an "
-                     "axis_name")
-  if gather == "coded" and exchange == "all_gather":
-    raise ValueError("gather='coded' gathers averaged shards, which exchange='all_gather' "
-                     "does not make: choose one")
-  if gather == "coded" and fmt != "fp4":
-    raise ValueError(f"gather='coded' sends the exact sums of the devices' fp4 levels in a "
-                     f"byte; {fmt}'s levels span too many steps for that: use gather='bf16'")
-  small_float = FORMATS[fmt]
-  if capacity_bits is None:
-    capacity, reach = usual_capacity_bits(small_float), default_capacity_bits(small_float)
-  else:
-    capacity, reach = capacity_bits, None
-  return Co3Settings(small_float, gamma, refit_interval, entropy_code, axis_name,
-                     float(capacity), gather, exchange, specs,
-                     None if gather_capacity_bits is None else float(gather_capacity_bits),
-                     reach)
 
 
 def _axis_size(settings: Co3Settings) -> int:

@@ -27,7 +27,7 @@ the step's exchange then runs again, raw, inside a lax.cond that every device ta
 
 import functools
 import itertools
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -38,25 +38,9 @@ from loco_jax import comm
 from loco_jax.comm import coded
 from loco_jax.core import layout, leaves, quant
 from loco_jax.transforms import co3_host
+from loco_jax.transforms.co3_settings import Co3Settings
 
-GATHERS = ("bf16", "coded")
-EXCHANGES = ("auto", "all_to_all", "all_gather")
 CODER = huffman_deflate  # the wire coder, a comm.coded.ByteCoder
-
-
-class Co3Settings(NamedTuple):
-  """`co3()`'s arguments, checked and resolved."""
-  fmt: fp.FloatFormat
-  gamma: float
-  refit_interval: int
-  entropy_code: bool
-  axis_name: Any
-  capacity_bits: float     # per symbol, of a coded slot
-  gather: str
-  exchange: str
-  specs: Any
-  gather_capacity_bits: float | None  # per element, of the coded gather's slots (None: default)
-  capacity_reach_bits: float | None = None  # per symbol, a slot with its extension (None: none)
 
 
 class Exchanged(NamedTuple):
