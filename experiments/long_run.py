@@ -195,16 +195,20 @@ def error_stats(compressor_state: Any, devices: int) -> dict | None:
   device (`LocoState`), stacked over the devices: e = q / s per block (0 where s = 0).
   """
   import jax
-  error = getattr(compressor_state, "error", None)
+  from loco_jax import LocoState
+  groups = (list(compressor_state.groups.values()) if isinstance(compressor_state, LocoState)
+            else None)
+  error = ([g.error for g in groups] if groups is not None
+           else getattr(compressor_state, "error", None))
   if error is None:
     return None
   rows = lambda x: np.asarray(jax.device_get(x)).reshape(devices, -1)
   errors = [rows(x) for x in jax.tree.leaves(error)]  # float32 (EF, CO3) or int8 codes (LoCo)
   stats: dict[str, Any] = {}
-  if hasattr(compressor_state, "error_scale"):  # LoCo
-    if compressor_state.error_scale is None:
+  if groups is not None:
+    if any(g.error_scale is None for g in groups):
       raise ValueError("error_stats: a LoCo state with a fixed error_scale is not supported")
-    scales = [rows(s) for s in jax.tree.leaves(compressor_state.error_scale)]
+    scales = [rows(s) for s in jax.tree.leaves([g.error_scale for g in groups])]
     errors = [np.where(s[..., None] > 0, q.reshape(*s.shape, -1) / np.where(s > 0, s, 1.0)[
         ..., None], 0.0).reshape(devices, -1) for q, s in zip(errors, scales)]
     every = np.concatenate([s.reshape(-1) for s in scales])

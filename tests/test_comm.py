@@ -49,8 +49,9 @@ def test_output_is_the_mean_of_every_devices_decompressed_gradient(mesh, shard_m
       # Two programs (the mesh step, the local one): FMA contraction of beta e + (1 - beta)(h - d)
       # differs between them and with the CPU's vector ISA, so a stored code may differ by one
       # where the residual sits on a rounding boundary, and rarely; never by more.
-      mine = state._replace(error={"": tuple(np.asarray(e).reshape(N, -1)[d]
-                                             for e in state.groups[""].error)})
+      group = state.groups[""]
+      mine = state._replace(groups={"": group._replace(error=tuple(
+          np.asarray(e).reshape(N, -1)[d] for e in group.error))})
       diff = (np.asarray(error_by_leaf(mine, PARAMS, rows=N)[0]["w"]).astype(int) -
               np.asarray(error_by_leaf(local_states[d], PARAMS)[0]["w"]).astype(int))
       assert np.abs(diff).max() <= 1 and np.mean(diff != 0) < 1e-3, np.abs(diff).max()

@@ -14,6 +14,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from loco_jax import LocoState
+from loco_jax.core.leaves import ByGroup
+from loco_jax.transforms.loco_state import GroupState
+
 EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
 sys.path.insert(0, str(EXPERIMENTS))
 
@@ -171,9 +175,9 @@ def test_campaign_skips_complete_and_busy_runs(short_runs, tmp_path, capsys):
 
 def test_error_stats_dequantize_each_block():
   """e = q / s per block of each device; a zero scale is a zero block."""
-  state = collections.namedtuple("State", "count error error_scale")(
-      np.int32(5), {"": (np.array([[1, -2, 3, 4], [127, 0, 0, -128]], np.int8).reshape(-1),)},
-      {"": (np.array([[2.0, 0.5], [0.0, 4.0]], np.float32).reshape(-1),)})
+  group = GroupState((np.array([[1, -2, 3, 4], [127, 0, 0, -128]], np.int8).reshape(-1),),
+                     (np.array([[2.0, 0.5], [0.0, 4.0]], np.float32).reshape(-1),), None, None)
+  state = LocoState(np.int32(5), ByGroup({"": group}), None)
   stats = long_run.error_stats(state, devices=2)
   device0 = np.array([1 / 2, -2 / 2, 3 / 0.5, 4 / 0.5])
   device1 = np.array([0.0, 0.0, 0.0, -128 / 4])

@@ -80,7 +80,7 @@ def init_opt_state(optimizer: optax.GradientTransformation, params: Any, mesh: M
   Example:
     >>> opt = optax.chain(loco_jax.loco(axis_name="data"), optax.adamw(1e-3))
     >>> state, specs = init_opt_state(opt, params, mesh_lib.data_mesh())
-    >>> specs[0].error[""][0] == P("data")   # LoCo's error differs per device
+    >>> specs[0].groups[""].error[0] == P("data")   # LoCo's error differs per device
     True
   """
   data = mesh_lib.data_axes(mesh, axis_name)
