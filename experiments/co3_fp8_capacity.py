@@ -19,7 +19,6 @@ few others, and the mean coded bits.
 """
 
 import argparse
-import contextlib
 import json
 from pathlib import Path
 import sys
@@ -28,6 +27,9 @@ import threading
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py beside it
+
+from common import stream_lengths  # noqa: E402
 
 CANDIDATES = (6.86, 7.0, 7.1, 7.2, 7.25, 7.3, 7.4, 7.5)
 
@@ -37,26 +39,6 @@ def needed_bits(lengths: np.ndarray, row_bytes: int) -> np.ndarray:
   from loco_jax.codecs import huffman_deflate
   from loco_jax.comm import coded
   return coded.needed_bits_per_byte(lengths, row_bytes, huffman_deflate)
-
-
-@contextlib.contextmanager
-def stream_lengths(record):
-  """Inside, `record(length)` for every stream a device codes (host side)."""
-  from loco_jax.comm import coded
-  fill_slots = coded.fill_slots
-
-  def counted(rows_NxB, sender, capacity, coder, skip):
-    slots, lengths = fill_slots(rows_NxB, sender, capacity, coder, skip)
-    for j, length in enumerate(lengths.tolist()):
-      if j != skip:
-        record(length)
-    return slots, lengths
-
-  coded.fill_slots = counted
-  try:
-    yield
-  finally:
-    coded.fill_slots = fill_slots
 
 
 def summary(need_SxK: np.ndarray, coded_bits: float) -> dict:
@@ -96,7 +78,7 @@ def demo_streams(steps: int, seed: int) -> dict:
       per_step.append(list(current))
       current.clear()
 
-  with stream_lengths(record):
+  with stream_lengths(lambda _, length: record(length)):
     result = demo.run_method("co3-fp8", demo.make_compressor("co3-fp8", config), config,
                              demo.load_corpus(config), observe=observe)
   need = np.array([needed_bits(np.array(s), row_bytes) for s in per_step])

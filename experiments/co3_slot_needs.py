@@ -13,7 +13,6 @@ record: the range over the steps of that largest need.
 """
 
 import argparse
-import contextlib
 import json
 import os
 from pathlib import Path
@@ -21,26 +20,9 @@ import sys
 import threading
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py beside it
 
-
-@contextlib.contextmanager
-def stream_lengths(record):
-  """Inside, `record(to_one_device, length)` for every stream a device codes (host side)."""
-  from loco_jax.comm import coded
-  fill_slots = coded.fill_slots
-
-  def counted(rows_NxB, sender, capacity, coder, skip):
-    slots, lengths = fill_slots(rows_NxB, sender, capacity, coder, skip)
-    for j, length in enumerate(lengths.tolist()):
-      if j != skip:
-        record(skip >= 0, length)
-    return slots, lengths
-
-  coded.fill_slots = counted
-  try:
-    yield
-  finally:
-    coded.fill_slots = fill_slots
+from common import stream_lengths  # noqa: E402
 
 
 def main(argv=None) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -180,3 +181,23 @@ def co3_available() -> bool:
   """True once loco_jax.co3 imports (the CO3 rows and curves are skipped until then)."""
   from loco_jax.apps import demo
   return demo.co3_status() is None
+
+
+@contextlib.contextmanager
+def stream_lengths(record):
+  """Inside, `record(to_one_device, length)` for every stream a device codes (host side)."""
+  from loco_jax.comm import coded
+  fill_slots = coded.fill_slots
+
+  def counted(rows_NxB, sender, capacity, coder, skip):
+    slots, lengths = fill_slots(rows_NxB, sender, capacity, coder, skip)
+    for j, length in enumerate(lengths.tolist()):
+      if j != skip:
+        record(skip >= 0, length)
+    return slots, lengths
+
+  coded.fill_slots = counted
+  try:
+    yield
+  finally:
+    coded.fill_slots = fill_slots
