@@ -1,21 +1,14 @@
 """A coded exchange: byte rows entropy-coded on the host into fixed-capacity slots of one
 all-to-all (or all-gather), decoded on the host where they arrive; the raw exchange beside it.
 
-What crosses is each slot at its capacity (collectives have static shapes), its stream's
-length and a few float32 side numbers per row (scales, flags). A stream longer than its slot
-is not sent: the receiver counts the slot as overflowed, and one that does not decode to
-exactly its row as corrupt; `Received.missing` carries both counts, and the caller decides
-(through a later collective, so that every device decides alike) whether to redo the exchange
-raw or to skip the step. Nothing here knows what the bytes mean: CO3 sends pairs of fp4
-symbols (or fp8 symbols), LoCo's packed 4-bit codes (`quant.pack`) go through the same calls.
+Each slot crosses at its capacity (collectives have static shapes) with its stream's length
+and a few float32 side numbers per row. A stream longer than its slot is not sent and counts
+as overflowed; one that does not decode to exactly its row counts as corrupt
+(`Received.missing`). The caller decides, through a later collective, whether to redo the
+exchange raw or to skip the step. Nothing here knows what the bytes mean.
 
-A slot may have an extension: its first `capacity` bytes always cross, the next `extension`
-bytes only on the steps where some stream is longer than `capacity` (a second collective inside
-a lax.cond, which every device enters alike): slots sized for the usual streams, with room for
-the rare long ones without resending the step raw.
-
-Entry points: `all_to_all` (row j to device j: a reduce-scatter's first half), `all_gather`,
-and `raw_all_to_all` / `raw_all_gather` with the same results for the uncoded path.
+A slot may have an extension: `extension` more bytes that cross, in a second collective inside
+a lax.cond, only on the steps where some stream is longer than `capacity`.
 
 Example (inside jax.shard_map over "data", n devices):
   >>> coder = codecs.huffman_deflate                                     # doctest: +SKIP

@@ -130,7 +130,7 @@ def decompress(q: jax.Array, scale: jax.Array | float) -> jax.Array:
 
 def subnormal_scales(bits: int) -> bool:
   """Whether `bits`-bit block scales can be subnormal: qmax * 2**126 below float32's maximum."""
-  return max(int_range(bits)[1], 1) * 2.0 ** 126 < FLOAT32_MAX
+  return qmax_of(bits) * 2.0 ** 126 < FLOAT32_MAX
 
 
 def scale_of(qmax: int, top: jax.Array) -> jax.Array:
@@ -180,17 +180,20 @@ def reciprocal(scale: jax.Array) -> jax.Array:
   return jnp.where(positive, saturate((1.0 / jnp.where(positive, n, 1.0)) * (1.0 / f)), 1.0)
 
 
-def absmax_scale(x_blocks: jax.Array, bits: int) -> jax.Array:
-  """Per-block scale qmax / max|x| over the last axis (`scale_of`: subnormal on blocks above
-  qmax * 2**126); 0 for zero, vanishing or non-finite blocks.
+def qmax_of(bits: int) -> int:
+  """The top code of Eq. (1); 1 at bits=1, whose grid {-1, 0} has qmax 0, so scales stay finite."""
+  return max(int_range(bits)[1], 1)
 
-  For bits=1 the grid is {-1, 0} and qmax is 0; the scale then uses 1 so that it stays finite.
-  """
-  qmax = max(int_range(bits)[1], 1)
-  absmax = jnp.max(jnp.abs(x_blocks), axis=-1)
+
+def scale_from_absmax(absmax: jax.Array, bits: int) -> jax.Array:
+  """qmax / absmax (`scale_of`: subnormal above qmax * 2**126); 0 if vanishing or not finite."""
   usable = (absmax > VANISHING) & jnp.isfinite(absmax)
-  scale = scale_of(qmax, jnp.where(usable, absmax, 1.0))
-  return jnp.where(usable, scale, 0.0).astype(jnp.float32)
+  return jnp.where(usable, scale_of(qmax_of(bits), jnp.where(usable, absmax, 1.0)), 0.0)
+
+
+def absmax_scale(x_blocks: jax.Array, bits: int) -> jax.Array:
+  """Per-block scale qmax / max|x| over the last axis (`scale_from_absmax`)."""
+  return scale_from_absmax(jnp.max(jnp.abs(x_blocks), axis=-1), bits).astype(jnp.float32)
 
 
 SCALE_METHODS = ("absmax", "rms")
@@ -238,22 +241,20 @@ def rms_scale(x_blocks: jax.Array, bits: int, clip_rms: float) -> jax.Array:
     >>> round(float(rms_scale(x, 2, 1.5)[0]), 4)
     0.1629
   """
-  absmax = jnp.max(jnp.abs(x_blocks), axis=-1)
+  absmax = jnp.max(jnp.abs(x_blocks), axis=-1, keepdims=True)
+
+  def mean_square(f, r):
+    return jnp.mean(jnp.square((x_blocks * f) * r), axis=-1, keepdims=True)
+  return scale_from_rms(absmax, mean_square, bits, clip_rms)[..., 0].astype(jnp.float32)
+
+
+def scale_from_rms(absmax: jax.Array, mean_square, bits: int, clip_rms: float) -> jax.Array:
+  """qmax / `clip_range`, `mean_square(f, r)` the block's mean of ((x * f) * r)**2 for
+  `unit_factors`; 0 where `scale_from_absmax` gives 0."""
   usable = (absmax > VANISHING) & jnp.isfinite(absmax)
   safe = jnp.where(usable, absmax, 1.0)
-  f, r = unit_factors(safe[..., None])
-  mean_square = jnp.mean(jnp.square((x_blocks * f) * r), axis=-1)
-  qmax = max(int_range(bits)[1], 1)
-  scale = scale_of(qmax, clip_range(safe, mean_square, clip_rms))
-  return jnp.where(usable, scale, 0.0).astype(jnp.float32)
-
-
-def block_scale(x_blocks: jax.Array, bits: int, scale_method: str = "absmax",
-                clip_rms: float | None = None) -> jax.Array:
-  """`absmax_scale` or `rms_scale` by `scale_method` (SCALE_METHODS)."""
-  if scale_method == "rms":
-    return rms_scale(x_blocks, bits, clip_rms)
-  return absmax_scale(x_blocks, bits)
+  scale = scale_of(qmax_of(bits), clip_range(safe, mean_square(*unit_factors(safe)), clip_rms))
+  return jnp.where(usable, scale, 0.0)
 
 
 def pack(q: jax.Array, bits: int) -> jax.Array:
@@ -278,13 +279,18 @@ def pack(q: jax.Array, bits: int) -> jax.Array:
       out = out | (planes[..., t, :] << (t * bits))
     return out
   planes = unsigned.reshape(*lead, PACK_UNIT, length // PACK_UNIT)
+  return jnp.concatenate(_transpose_bits(planes, bits), axis=-1)
+
+
+def _transpose_bits(planes: jax.Array, count: int) -> list[jax.Array]:
+  """Bit m of plane k becomes bit k of output m (m < count): 8 p-bit values <-> p bytes."""
   out = []
-  for b in range(bits):
-    byte = (planes[..., 0, :] >> b) & 1
-    for t in range(1, PACK_UNIT):
-      byte = byte | (((planes[..., t, :] >> b) & 1) << t)
-    out.append(byte)
-  return jnp.concatenate(out, axis=-1)
+  for m in range(count):
+    word = (planes[..., 0, :] >> m) & 1
+    for k in range(1, planes.shape[-2]):
+      word = word | (((planes[..., k, :] >> m) & 1) << k)
+    out.append(word)
+  return out
 
 
 def unpack(packed: jax.Array, bits: int) -> jax.Array:
@@ -298,17 +304,7 @@ def unpack(packed: jax.Array, bits: int) -> jax.Array:
   else:
     if nbytes % bits:
       raise ValueError(f"unpack: {nbytes} bytes is not a multiple of bits={bits}")
-    byte_planes = packed.reshape(*lead, bits, nbytes // bits)
-    planes = []
-    for t in range(PACK_UNIT):
-      value = (byte_planes[..., 0, :] >> t) & 1
-      for b in range(1, bits):
-        value = value | (((byte_planes[..., b, :] >> t) & 1) << b)
-      planes.append(value)
+    planes = _transpose_bits(packed.reshape(*lead, bits, nbytes // bits), PACK_UNIT)
   unsigned = jnp.stack(planes, axis=-2).reshape(*lead, -1)
   return (unsigned.astype(jnp.int32) + qmin).astype(jnp.int8)
 
-
-def packed_bytes(length: int, bits: int) -> int:
-  """Bytes that `pack` produces for `length` values (a multiple of 8) of `bits` bits."""
-  return length * bits // 8

@@ -1,25 +1,18 @@
 """FSDP (ZeRO-3): parameters gathered layer by layer, each layer's gradient sent as it exists.
 
-The model is a `LayeredModel`: `embed`, one `block` applied to a stack of identical layers
-(their params stacked on a leading layer axis), and `head`, which returns the loss. Master
-params and the optimizer state live on per-device float32 shards (as in ZeRO-2: each leaf,
-and each layer of a stacked leaf, flattened and split into `layout.shard_len` pieces). A step:
+The model is a `LayeredModel`: `embed`, one `block` scanned over a stack of identical layers
+(params stacked on a leading axis) and `head`, which returns the loss. Master params and the
+optimizer state live on per-device float32 shards, as in ZeRO-2. A step:
 
-  forward   gather embed's params, run embed; scan over layers: gather layer l's params in
-            the compute dtype (or int8 with block scales), run the block, keep only its input
-  backward  head's gradient -> compressor; a reverse scan: re-gather layer l's params, vjp of
-            the block (it is recomputed), layer l's gradient -> the compressor with that
-            layer's own state (LoCo's int8 error) -> this device's averaged shard; then embed
+  forward   gather embed's params; scan: gather layer l's params (compute dtype or int8), run it
+  backward  head's gradient -> compressor; a reverse scan re-gathers each layer, recomputes its
+            vjp and sends its gradient through the compressor with its own state; then embed
   update    the optimizer on the global master shards, under GSPMD (as zero2's)
 
-so a device holds 1/N of the params, gradients and optimizer state plus about one layer in
-full, its activations at layer boundaries, and the compressor's state (LoCo: an int8 error of
-the full gradient, 1 byte a parameter). The compressor must have reduce-scatter semantics:
-`loco(axis_name=..., scatter=True)` or `parallel.reduce_scatter(...)`. Models that are not
-stacks use `whole_model(loss_fn)`: every leaf is gathered at once (ZeRO-2's parameter memory,
-FSDP's state). Entry points: `parallel.init_train_state` / `make_train_step` with mode="fsdp".
-Callable optax masks see the full-shaped `Layered` params, stacked: a stacked bias is 2-D, so
-select leaves by name there rather than by ndim.
+A device holds 1/N of the params, gradients and optimizer state, about one layer in full and
+the compressor's state. The compressor must reduce-scatter: `loco(axis_name=..., scatter=True)`
+or `parallel.reduce_scatter(...)`. Models that are not stacks use `whole_model(loss_fn)`.
+Callable optax masks see the stacked `Layered` params: select leaves by name, not by ndim.
 """
 
 import math

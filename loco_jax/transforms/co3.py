@@ -1,21 +1,14 @@
 """CO3: small-float conversion with a GenNorm-fitted scale, Huffman coding, decaying error feedback.
 
-Each step, per leaf: a = g + gamma * e; every `refit_interval` steps (and at the first) a GenNorm
-fit of a sets the leaf's scale (p(beta)/alpha for fp4, `co3_host`); q = Q(a) in the small float
-is what is sent, as uint8 symbols; e = a - q. With an axis the symbols cross in Huffman-coded,
-fixed-capacity slots (`co3_exchange`, `comm.coded`); without one they make a round trip through
-the same coder on the host, so that the codec and its measured rate stay in the loop.
+Each step, per leaf: a = g + gamma * e; every `refit_interval` steps a GenNorm fit of a sets the
+leaf's scale (`co3_host`); q = Q(a) in the small float is sent as uint8 symbols; e = a - q. With
+an axis the symbols cross in Huffman-coded slots (`co3_exchange`); without one they make a round
+trip through the same coder on the host. A leaf with fewer than two non-zero values has the
+scale max_value(fmt) / max|a|.
 
-A leaf with fewer than two non-zero values (a scalar, a one-hot gradient) has no shape to fit:
-its scale is max_value(fmt) / max|a| every step, so its output tracks it.
-
-Finite in, finite out: a is computed saturating at float32's largest value, scales stay in
-fp.scale_range(fmt) (fp4 therefore tops out at 3 * 2**126, beyond which values saturate), the
-average divides before it sums, and outputs saturate at their dtype's largest value. NaN output
-is reserved for a step that is skipped: a non-finite gradient on any device, or a peer's
-stream that does not decode to exactly its row (corrupt, short, truncated), found by any
-receiver: every device then returns NaN and keeps its state (`rejected` counts the second
-kind); no device waits on another, and no average is silently changed.
+Finite in, finite out: a, the scales, the average and the outputs saturate. NaN output means a
+skipped step: a non-finite gradient on any device, or a peer's stream that does not decode
+(`rejected` counts those); every device then returns NaN and keeps its state.
 """
 
 from typing import Any, NamedTuple
