@@ -55,15 +55,10 @@ def co3(fmt: str = "fp4", gamma: float = 0.7, refit_interval: int = 100,
         ) -> optax.GradientTransformationExtraArgs:
   """CO3's Convert, Compress, Correct as an optax transformation; averages over `axis_name`.
 
-  With `axis_name` (inside `jax.shard_map`) every device serves 1/n of every leaf: it codes each
-  destination's shard as its own Huffman stream in a slot of one all-to-all, decodes the
-  streams of its own shard, averages them in float32 and all-gathers the averaged shard
-  (`co3_exchange`). On few devices the all-gather of whole coded gradients sends less (at 2
-  devices always; with the bf16 gather while n < 1 + 16 / capacity_bits): `exchange="auto"`
-  takes it there, and `co3_exchange.predicted_bits` says what each sends. With
-  gather="coded" every device converts a leaf at the largest of the devices' scales (at most 4x
-  the smallest: `co3_exchange.agree_scales`), so that the averaged shard crosses exactly, as
-  the sum of the devices' levels.
+  With `axis_name` (inside `jax.shard_map`) every device serves 1/n of every leaf: one
+  all-to-all of Huffman-coded shards, a float32 average, an all-gather of the averaged shard
+  (`co3_exchange`). On few devices the all-gather of whole coded gradients sends less, and
+  `exchange="auto"` takes it there (`co3_exchange.predicted_bits`).
 
   Args:
     fmt: "fp4" ([1,2,1]) or "fp8" ([1,5,2]).
@@ -71,24 +66,17 @@ def co3(fmt: str = "fp4", gamma: float = 0.7, refit_interval: int = 100,
     refit_interval: steps between GenNorm fits of the scales (the first step fits).
     entropy_code: Huffman-code the symbols (`codecs.huffman_deflate`); False sends them raw.
     axis_name: the mesh axis to average over, or None (local, no communication).
-    capacity_bits: bits a symbol of the all-to-all's (or the whole gradients' all-gather's)
-      coded slots; a stream that does not fit sends that step's exchange raw (lossless,
-      `state.overflows`). Default: slots of `usual_capacity_bits(fmt)` (the fitted model's
-      entropy for beta up to 1) that extend to `default_capacity_bits(fmt)` (its worst case
-      over beta in [0.2, 3]) on the steps where some stream needs it: a second, smaller
-      collective then (`state.extended`). A model whose streams you have measured sends less
-      in slots fitted to them (docs/EXPERIMENTS_CO3.md, "Fitted slots"); a given size has no
-      extension.
-    gather: "bf16" or "coded" (fp4 on at most 21 devices: the exact sums of the devices' fp4
-      levels, one byte an element, coded): how the per-shard exchange returns the averaged
-      shards.
+    capacity_bits: bits a symbol of the coded slots; a stream that does not fit sends the
+      step's exchange raw (lossless, `state.overflows`). Default: slots of
+      `usual_capacity_bits(fmt)` that extend to `default_capacity_bits(fmt)` on the steps that
+      need it (`state.extended`); a given size has no extension (docs/EXPERIMENTS_CO3.md).
+    gather: how the per-shard exchange returns the averaged shards: "bf16", or "coded" (fp4
+      on at most 21 devices: the exact sums of the devices' levels, which then agree on their
+      scales, `co3_exchange.agree_scales`).
     exchange: "auto", "all_to_all" (per shard) or "all_gather" (whole gradients).
     specs: PartitionSpecs of leaves sharded over other mesh axes (as in `loco`).
     gather_capacity_bits: bits an element of the coded gather's slots (gather="coded" only;
-      default `co3_host.usual_sum_capacity_bits(n)`, extending to `default_sum_capacity_bits(n)`
-      as for `capacity_bits`); overflow as for `capacity_bits`. An
-      axis that `exchange="auto"` gives the all-gather of whole gradients (2 devices) has no
-      such gather: `co3_exchange.is_per_shard` says which.
+      default `co3_host.usual_sum_capacity_bits(n)`, extending as for `capacity_bits`).
 
   Returns:
     An optax.GradientTransformationExtraArgs whose state is a `Co3State`.
