@@ -92,19 +92,9 @@ def all_to_all(rows_NxB: jax.Array, side_NxS: jax.Array, capacity: int, coder: B
   """Row j of `rows_NxB` (uint8) coded into a slot of `capacity` bytes, sent to device j with
   row j of `side_NxS` (float32) in ONE all-to-all; every slot received here decoded.
 
-  Args:
-    rows_NxB: uint8 [n, B], n the size of `axis_name`: row j is device j's.
-    side_NxS: float32 [n, S] numbers sent beside each row, uncoded.
-    capacity: bytes of a slot (`slot_bytes`).
-    coder: the host coder.
-    axis_name: the mesh axis (inside jax.shard_map).
-    extension: bytes a slot may take beyond `capacity`, sent (every slot's, in a second
-      all-to-all) only where some device coded a longer stream; the devices agree on it in one
-      all-reduce of their longest stream.
-
-  Returns:
-    `Received`: row s is device s's row j for this device j; this device's own row is never
-    coded (it does not cross the wire).
+  `side_NxS`: float32 numbers sent uncoded beside each row. `extension`: bytes a slot may take
+  beyond `capacity`, sent in a second all-to-all only where some device coded a longer stream.
+  Returns `Received`: row s is what device s sent here; this device's own row is never coded.
   """
   me = jax.lax.axis_index(axis_name)
   slots, lengths = _code(rows_NxB, capacity + extension, coder, me, me)

@@ -1,28 +1,19 @@
 """CO3 on a mesh: every device serves 1/n of every leaf, as LoCo's exchange does.
 
-Per-shard exchange (`all_to_all`): each device lays its symbols out in rows, one per device
-(`layout.shard_rows`: row j is device j's shard of every leaf), codes each row into a slot of ONE
-all-to-all (`comm.coded`), decodes the n - 1 rows it receives, averages them in float32 with
-each sender's scales, and all-gathers its averaged shard: in bf16, or (`gather="coded"`, fp4)
-as the exact sum of the n senders' levels, one byte an element, coded again. The sum is exact
-because every device converts a leaf at the same scale there (the finest of the devices' own
-within a bound, agreed each step: `agree_scales`), so the levels are small integers in one
-unit; the average every device returns is then the float32 mean of what was sent, as with the
-bf16 gather, and nothing is rounded a second time. A device sends (n-1)/n (C + 16) or
-(n-1)/n (C + C_sum) bits a parameter for a coded rate C.
+Per-shard exchange (`all_to_all`): each device codes row j of its symbols (device j's shard of
+every leaf) into a slot of ONE all-to-all (`comm.coded`), decodes the rows it receives,
+averages them in float32 with each sender's scales and all-gathers its averaged shard: in bf16,
+or (`gather="coded"`, fp4) as the exact sum of the n senders' levels, one byte an element, coded
+again. The sum is exact because the devices agree on each leaf's scale (`agree_scales`).
+A device sends (n-1)/n (C + 16) or (n-1)/n (C + C_sum) bits a parameter for a coded rate C.
 
-Whole-gradient exchange (`all_gather`): each device's coded gradient is all-gathered and every
-device decodes and averages all of them: (n-1) C bits. `exchange="auto"` picks whichever
-`predicted_bits` says sends less on this axis (the all-gather at 2 devices, and up to
-n = 1 + G / C for a gather of G bits an element).
+Whole-gradient exchange (`all_gather`): every device decodes and averages every device's coded
+gradient, (n-1) C bits. `exchange="auto"` picks whichever `predicted_bits` says sends less.
 
-Status, replicated on every device: `flag` is 0, +inf where some receiver found a peer's
-stream corrupt, or NaN where some device saw a non-finite gradient (sums keep that meaning);
-`extended` is 1 where some stream was longer than its slot's usual size and took the slot's
-extension (default slots only: `co3_host.usual_capacity_bits`, extended up to
-`default_capacity_bits`; `comm.coded`); `overflowed` is 1 where some stream did not fit even so:
-the step's exchange then runs again, raw, inside a lax.cond that every device takes alike
-(lossless). Both conditional collectives' bytes are counted as conditional in the HLO.
+Status, replicated: `flag` is 0, +inf where some receiver found a stream corrupt, NaN where some
+gradient was not finite; `extended` is 1 where some slot took its extension (`comm.coded`);
+`overflowed` is 1 where some stream did not fit even so: the exchange then runs again raw,
+inside a lax.cond that every device takes alike.
 """
 
 import functools
