@@ -47,10 +47,6 @@ def _check_parameters(beta: float | None, alpha: float | None, loc: float = 0.0)
       raise ValueError(f"{name} must be {description}, got {value!r}.")
 
 
-# ----------------------------------------------------------------------------------------------
-# Distribution.
-
-
 def cdf(x: ArrayLike, beta: float, alpha: float, loc: float = 0.0) -> np.ndarray:
   """GenNorm cumulative distribution at x (float64, accurate in both tails).
 
@@ -126,10 +122,6 @@ def sample(key_or_rng: Any, beta: float, alpha: float, shape: tuple[int, ...],
   g = rng.standard_gamma(1.0 / beta, shape)
   sign = rng.integers(0, 2, shape) * 2 - 1
   return loc + sign * alpha * g ** (1.0 / beta)
-
-
-# ----------------------------------------------------------------------------------------------
-# Fit.
 
 
 def fit(x: ArrayLike, loc: float | None = 0.0, beta: float | None = None) -> GenNormFit:
@@ -234,10 +226,6 @@ def _likelihood_beta(z: np.ndarray, start: float) -> float:
   return b
 
 
-# ----------------------------------------------------------------------------------------------
-# Quantization model.
-
-
 def fp4_scale(beta: ArrayLike, alpha: ArrayLike) -> ArrayLike:
   """CO3's MSE-optimal fp4 scale p(beta) / alpha, p(b) = 0.46 - 2.85b + 5.37b^2 - 2.85b^3 + 0.52b^4.
 
@@ -300,10 +288,6 @@ def entropy_bits(fmt: fp.FloatFormat, beta: float, alpha: float, scale: float) -
   probabilities = symbol_probabilities(fmt, beta, alpha, scale)
   probabilities = probabilities[probabilities > 0]
   return float(-np.sum(probabilities * np.log2(probabilities)))
-
-
-# ----------------------------------------------------------------------------------------------
-# Validation of the GenNorm assumption (CO3 Sec. III).
 
 
 def wasserstein2(x: ArrayLike, dist: GenNormFit) -> float:

@@ -36,11 +36,8 @@ class Compressed(NamedTuple):
   decompressed: jax.Array | None  # float32 [size], loco's local-mode output (if asked for)
 
 
-# --- The arithmetic, written once for the jnp path and the Pallas kernels ---------------------
-#
-# Plain float32 arithmetic: each implementation is held to the float64 reference
-# (`reference.check_step`) within float32 rounding, not to the others bit for bit, so compilers
-# may contract products into FMAs. A given program is deterministic run to run.
+# Plain float32 arithmetic, held to the float64 reference (`reference.check_step`) within
+# float32 rounding, not to the other path bit for bit: compilers may contract products to FMAs.
 
 
 def _quantize(x: jax.Array, scale: jax.Array, bits: int) -> jax.Array:
@@ -105,9 +102,6 @@ def step_planes(g: list[jax.Array], error: list[jax.Array], error_scale: jax.Arr
 
 def is_constant(x) -> bool:
   return not isinstance(x, jax.core.Tracer)
-
-
-# --- jnp: the XLA formulation -------------------------------------------------------------
 
 
 def _compress_whole(g_BxL, error_BxL, error_scale_B, bits, error_bits, beta, fixed_scale,
@@ -221,5 +215,3 @@ def mean_jnp(packed_NxBxP, scales_NxB, bits, unroll: bool):
     total = jax.lax.fori_loop(0, shards, lambda j, acc: acc + peer(j),
                               leaves.vary_like(total, packed_NxBxP))
   return quant.saturate(total * np.float32(up)).reshape(-1)
-
-

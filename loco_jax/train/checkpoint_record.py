@@ -1,14 +1,10 @@
 """What a checkpoint records of its run (`meta/metadata`), and what a restore compares.
 
-The record: the caller's config, the device and process counts, the mesh the state lies on
-(axis names and sizes) and every leaf's shape, dtype and PartitionSpec, the last two read from
-the leaves' own NamedShardings. The arrays are stored as the global arrays they are, and what a
-global array means can depend on the mesh it was built on: zero2's master shards are cut per
-(data, model) block, LoCo's errors are one per device. Restored onto another mesh, the same
-global shapes would come back scrambled, so a restore proceeds only onto the same mesh and
-specs. What the arrays cannot show (which mesh axes are data and which model, the mode, how
-each param was split over the model axes: zero2's master shards have the same shapes and specs
-whether `w1` was split by rows or by columns) belongs in the config: `train_layout` gives it.
+The record: the caller's config, the device and process counts, the mesh (axis names and
+sizes) and every leaf's shape, dtype and PartitionSpec from its NamedSharding. A global array's
+meaning can depend on its mesh (zero2's master shards, LoCo's per-device errors), so a restore
+proceeds only onto the same mesh and specs. What the arrays cannot show (data and model axes,
+the mode, each param's model split) belongs in the config: `train_layout` gives it.
 """
 
 import json

@@ -99,7 +99,6 @@ def layered_loss(model: LayeredModel) -> Callable[[Layered, Any], jax.Array]:
   return loss
 
 
-
 def unstacked(params: Layered,
               model: LayeredModel) -> tuple[dict, Callable[[dict, Any], jax.Array]]:
   """The same model for ddp / zero2 with every layer its own leaves, so that each layer's
@@ -114,6 +113,7 @@ def unstacked(params: Layered,
       x = model.block(layer, x)
     return model.head(params["head"], x, batch)
   return params, loss
+
 
 def _one_layer(blocks):
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x)[1:], jnp.result_type(x)),
@@ -164,25 +164,14 @@ def unshard_params(master: Layered, like: Layered) -> Layered:
                  shards.unshard_params(master.head, like.head))
 
 
-def _per_layer(spec: P) -> P:
-  """A per-layer state's spec, for the state stacked on a leading layer axis."""
-  return P(None, *spec)
-
-
-def _init_stack(compressor, blocks):
-  """The compressor's state of every layer, stacked on a leading layer axis."""
-  if not jax.tree.leaves(blocks):
-    return compressor.init(blocks)
-  return jax.vmap(compressor.init)(blocks)
-
-
 def _compressor_specs(compressor: optax.GradientTransformation, params: Layered, mesh: Mesh,
                       axis_name: str) -> Layered:
   """Specs of the compressor's state of embed, of each layer (stacked) and of head."""
   layer_specs = opt_state_specs(compressor, _one_layer(params.blocks), mesh, axis_name)
   return Layered(
       opt_state_specs(compressor, params.embed, mesh, axis_name),
-      jax.tree.map(_per_layer, layer_specs) if jax.tree.leaves(params.blocks) else layer_specs,
+      jax.tree.map(lambda s: P(None, *s), layer_specs) if jax.tree.leaves(params.blocks)
+      else layer_specs,  # stacked on a leading layer axis
       opt_state_specs(compressor, params.head, mesh, axis_name))
 
 
@@ -207,9 +196,9 @@ def init(setup: Setup, params: Layered) -> tuple[TrainState, TrainState]:
   master = shard_params(params, setup.mesh, setup.axes.name)
   opt_init = masks.on_full_shapes(setup.optimizer.init, setup.params)
 
-  def compressor_init(full: Layered):
-    return Layered(compressor.init(full.embed), _init_stack(compressor, full.blocks),
-                   compressor.init(full.head))
+  def compressor_init(full: Layered):  # every layer's state stacked on a leading axis
+    stack = jax.vmap(compressor.init) if jax.tree.leaves(full.blocks) else compressor.init
+    return Layered(compressor.init(full.embed), stack(full.blocks), compressor.init(full.head))
 
   def init_fn(full: Layered, master: Layered):
     return TrainState(master, steps.over_data(compressor_init, setup, (P(),),

@@ -53,13 +53,10 @@ def default_capacity_bits(fmt: fp.FloatFormat) -> float:
   """Bits per symbol that a coded slot holds with its extension: the largest entropy of the
   fitted model over beta in BETAS, plus a margin for Huffman's own overhead.
 
-  fp8 reserves LEAF_MIXTURE_MARGIN_BITS more. A slot holds a shard of every leaf, coded with
-  one code table a deflate block, so it pays for the mixture of the leaves' symbol
-  distributions, which no per-leaf model sees. fp8 spreads its symbols over 31 binades, and
-  leaves of different shapes (beta) and of many exact zeros (embedding rows) sit on
-  different ones: on real gradients the mixture costs more than the margin for Huffman's
-  overhead covers, and a slot sized to the model alone sends nearly every step raw
-  (docs/EXPERIMENTS_CO3.md). fp4 maps every leaf onto the same six magnitudes.
+  fp8 reserves LEAF_MIXTURE_MARGIN_BITS more: one code table codes a shard of every leaf, and
+  fp8's leaves sit on different binades, a mixture no per-leaf model sees; sized to the model
+  alone its slots sent nearly every step raw (docs/EXPERIMENTS_CO3.md). fp4's leaves share six
+  magnitudes.
   """
   return _capacity(fmt, BETAS)
 
