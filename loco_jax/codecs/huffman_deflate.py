@@ -33,14 +33,7 @@ HEADER_BYTES = 2 + 1 + 5 + 4 + 8
 
 
 def encode(data: np.ndarray) -> bytes:
-  """The stream of uint8 `data` (any shape, read flat).
-
-  Args:
-    data: uint8 array.
-
-  Returns:
-    The stream: header, then the Huffman-only deflate of the bytes.
-  """
+  """The stream of uint8 `data` (any shape, read flat): the header, then the deflate."""
   data = np.ascontiguousarray(data)
   if data.dtype != np.uint8:
     raise ValueError(f"huffman_deflate.encode takes uint8 data, got {data.dtype}")
@@ -55,15 +48,8 @@ def overhead(size: int) -> int:
 
 
 def decode(stream, size: int) -> np.ndarray:
-  """The `size` bytes of a stream made by `encode`; ValueError for anything else.
-
-  Args:
-    stream: bytes-like (bytes, bytearray, memoryview, a uint8 array).
-    size: the byte count the caller expects; a stream of another count is refused.
-
-  Returns:
-    uint8 [size].
-  """
+  """uint8 [size], the bytes of a bytes-like stream made by `encode`; ValueError for anything
+  else, a stream of another count included."""
   try:
     view = memoryview(stream).cast("B")
   except TypeError as e:

@@ -21,12 +21,9 @@ Groups = tuple[tuple[int, ...], ...]
 class Collective(NamedTuple):
   """One collective of a lowered step: `nbytes` is the full buffer (gathered or pre-scatter).
 
-  `groups` are the device groups it runs over (the program's device numbers: positions in the
-  mesh's flattened device array), `group_size` the size of the largest. A collective-permute
-  has `pairs`, its (source, target) devices, and for groups the sets of devices they connect.
-  `conditional` marks one inside a branch of a conditional (a rare path such as CO3's
-  overflow), which a step does not always run. `op_name`: its metadata's, with the
-  `jax.named_scope`s it was made in.
+  `groups`: its device groups (positions in the mesh's flattened device array), `group_size`
+  the largest's size; a collective-permute's `pairs` (source, target) and the sets they connect.
+  `conditional`: inside a conditional's branch, not run every step. `op_name`: its metadata's.
   """
   op: str
   dtype: str

@@ -32,10 +32,8 @@ _WARNED: set = set()
 def leaf_specs(specs: Any):
   """Tells the transformations updated inside how the gradient leaves are sharded.
 
-  `specs`: PartitionSpecs like the gradient tree (the params' specs). Needed only inside a
-  jax.shard_map that is manual over the data axes and leaves Auto model axes to GSPMD: there a
-  leaf carries no spec, and without one LoCo compresses (and GSPMD gathers) whole leaves. The
-  transformations' own `specs=` argument does the same for one transformation.
+  `specs`: the params' PartitionSpecs. Needed only where a leaf carries no spec: inside a
+  jax.shard_map manual over the data axes with Auto model axes. `specs=` does it for one.
 
   Example:
     >>> with loco_jax.core.local_blocks.leaf_specs({"w": P(None, "model"), "b": P()}):

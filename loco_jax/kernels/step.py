@@ -53,8 +53,7 @@ def implementation_report(implementation: str, backend: str, bits: int = 4,
   float64 reference (`reference.check_step`, `reference.mean_off`) within float32 rounding,
   else "fail: ..." (what was off) or "error: ..." (why it did not run).
 
-  Three compress steps (each from the previous one's error, the third after a reset) and a
-  dequantize_mean of their payloads; cached per configuration.
+  Three compress steps (the third after a reset) and a dequantize_mean; cached.
   Example:
     >>> implementation_report("jnp", "cpu")
     'pass'

@@ -186,12 +186,8 @@ def train_layout(mesh: Mesh, params: Any, *, mode: str, axis_name: AxisNames = "
   """What a train state's arrays do not show, as JSON for its checkpoint's config: the mode,
   the data and model axes, and each param's split over the model axes (its PartitionSpec).
 
-  Args:
-    mesh, params, mode, axis_name: as given to `parallel.init_train_state` (params placed with
-      their NamedShardings).
-  Returns:
-    {"mode", "data axes", "model axes", "params": {path: spec}}: put it in the config given to
-    `checkpoint.save` and `checkpoint.restore`, which then refuse a run laid out otherwise.
+  The arguments are those of `parallel.init_train_state`. Put the result in the config of
+  `checkpoint.save` and `checkpoint.restore`, which then refuse a run laid out otherwise.
   Example:
     >>> train_layout(parallel.data_mesh(), params, mode="zero2")
     {'mode': 'zero2', 'data axes': ['data'], 'model axes': [], 'params': {"['b']": [], "['w']": []}}

@@ -1,12 +1,10 @@
 """Sharded train steps: `init_train_state` and `make_train_step` resolve their arguments once
 (`setup`) and hand the `Setup` to the mode's module (train/ddp.py, zero2.py, fsdp.py).
 
-Each step is a `jax.shard_map` manual over the data axes. Parameters split over other mesh axes
-(a (data, model) mesh; `NamedSharding` over 'model') keep that sharding: GSPMD runs the model
-over them, and the compressor, told the params' specs (`core.local_blocks`), runs in a nested
-shard_map over them, so each device compresses and sends its own model shard. Meshes, the
-train state, an optimizer state for a shard_map of your own, and the master shards' gathers are
-re-exported here from train/mesh.py, state.py and shards.py.
+Each step is a `jax.shard_map` manual over the data axes. Params split over other mesh axes keep
+that sharding: GSPMD runs the model over them, and the compressor, told the params' specs
+(`core.local_blocks`), compresses each device's own model shard. Meshes, states and the master
+shards' gathers are re-exported from train/mesh.py, state.py and shards.py.
 """
 
 from typing import Any, Callable

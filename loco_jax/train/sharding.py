@@ -1,11 +1,9 @@
 """PartitionSpecs of train states: data axes averaged over by hand, model axes left to GSPMD.
 
-A train step is manual (`jax.shard_map`) over the data axes only. Parameters keep the model
-sharding the user gave them (`NamedSharding` over the other axes); a compressor runs in a nested
-shard_map over the model axes (`core.local_blocks`, told the params' specs), so each device
-compresses its own model shard, and its per-device state is split over the data axes and over
-the model axes of the leaf it belongs to. Every spec here is a full spec on the mesh;
-`local_blocks.restrict` keeps the part one shard_map declares.
+A train step is manual over the data axes only; params keep the model sharding the user gave
+them, and a compressor's per-device state is split over the data axes and the model axes of its
+leaf (`core.local_blocks`). Every spec here is a full spec on the mesh; `local_blocks.restrict`
+keeps the part one shard_map declares.
 """
 
 from typing import Any, Callable

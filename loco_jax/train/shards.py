@@ -124,9 +124,8 @@ def gather_params(shards: Any, like: Any, axis_name: layout.AxisName,
 def reduce_scatter(axis_name: layout.AxisName = "data") -> optax.GradientTransformation:
   """Plain ZeRO-2 gradient averaging: a float32 reduce-scatter per leaf -> this device's shard.
 
-  The uncompressed comparator of `loco(axis_name=..., scatter=True)`; same shard layout. Its
-  reduce-scatter is `wire.reduce_scatter` (on gloo an all-to-all and a local sum: gloo's own
-  algorithm sends more than each peer's row).
+  The uncompressed comparator of `loco(axis_name=..., scatter=True)`, with its shard layout,
+  over `wire.reduce_scatter`.
 
   Example:
     >>> opt = reduce_scatter("data")   # then parallel.make_train_step(..., mode="zero2")

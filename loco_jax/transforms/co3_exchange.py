@@ -289,18 +289,9 @@ def _per_shard(settings: Co3Settings, layouts: list, rows_NxB: jax.Array, scales
 
 def exchange(settings: Co3Settings, symbols: list, scales: jax.Array,
              flag: jax.Array) -> Exchanged:
-  """The mean over `settings.axis_name` of every device's decoded symbols.
-
-  Args:
-    settings: co3's settings (axis_name set).
-    symbols: uint8 [size] per leaf, this device's.
-    scales: float32 [leaves], this device's (agreed by every device where `sums_levels`).
-    flag: float32, 0 or NaN (this device's gradient is not finite).
-
-  Returns:
-    `Exchanged`; where the coded exchange overflowed and nothing else went wrong, the same
-    exchange run raw (inside a lax.cond: every device takes it alike).
-  """
+  """The mean over `settings.axis_name` of every device's decoded symbols (uint8 [size] per
+  leaf), at its `scales` (float32 [leaves]); `flag` is NaN where this gradient is not finite.
+  Where the coded exchange overflowed and nothing else went wrong, it runs again raw."""
   n = comm.axis_size(settings.axis_name, "co3")
   per_shard = is_per_shard(settings, n)
   layouts = [layout.leaf_layout(s.size, n if per_shard else 1, None) for s in symbols]
