@@ -45,13 +45,9 @@ def _code(rows_NxB: jax.Array, capacity: int, coder: ByteCoder, sender: jax.Arra
   """One host call: every row coded into its slot -> (uint8 [N, capacity], int32 [N])."""
   n = rows_NxB.shape[0]
   shapes = (jax.ShapeDtypeStruct((n, capacity), jnp.uint8), jax.ShapeDtypeStruct((n,), jnp.int32))
-  out = host_call(functools.partial(_fill, capacity=capacity, coder=coder), shapes, rows_NxB,
-                  sender, jnp.asarray(skip, jnp.int32))
+  fill = lambda rows, sender, skip: fill_slots(rows, sender, capacity, coder, int(skip))
+  out = host_call(fill, shapes, rows_NxB, sender, jnp.asarray(skip, jnp.int32))
   return leaves.vary_like(out, rows_NxB)
-
-
-def _fill(rows, sender, skip, capacity, coder):
-  return fill_slots(rows, sender, capacity, coder, int(skip))
 
 
 def _decode(slots_NxC: jax.Array, lengths: jax.Array, own_B: jax.Array, me: jax.Array,

@@ -32,12 +32,9 @@ def int_range(bits: int) -> tuple[int, int]:
 
 
 def saturate(x: jax.Array, dtype=jnp.float32) -> jax.Array:
-  """x clipped to the finite range of `dtype` (NaN stays NaN, +-inf becomes +-max); x's dtype
-  must hold that range's bounds exactly (float32 does for every float type up to float32).
+  """x clipped to the finite range of `dtype` (NaN stays NaN, +-inf becomes +-max), which x's
+  dtype must hold exactly: where arithmetic would overflow, one clip fused into the producer.
 
-  Where a finite input's arithmetic would overflow (g + e near the float32 maximum, q / s back
-  near it, a cast to bfloat16 or float16) the result saturates at the largest finite value
-  instead: one clip, fused into the producer.
   Example:
     >>> saturate(jnp.array([7e4, -1.0]), jnp.float16).tolist()
     [65504.0, -1.0]
@@ -92,9 +89,8 @@ def sum_rows(x_NxX: jax.Array) -> jax.Array:
 
 
 def all_finite(x: jax.Array) -> jax.Array:
-  """Whether every value of `x` is finite. A sum of x - x (NaN exactly where some x is inf or
-  NaN): one pass that XLA:CPU reduces as it reads, half the time of `all(isfinite(x))` or of
-  x * 0, whose zeros it writes out first."""
+  """Whether every value of `x` is finite: a sum of x - x, one pass that XLA:CPU reduces as it
+  reads, half the time of `all(isfinite(x))`."""
   return jnp.isfinite(jnp.sum(x - x))
 
 
@@ -119,9 +115,8 @@ def times_scale(x: jax.Array, scale, bits: int) -> jax.Array:
 
 
 def decompress(q: jax.Array, scale: jax.Array | float) -> jax.Array:
-  """q / scale in float32, saturated (never inf: a block of absmax near the float32 maximum can
-  give q / s just above it); a scale that is not positive and finite (0: an all-zero or
-  vanishing block; or a peer's garbage) gives exactly 0. Subnormal scales are read exactly."""
+  """q / scale in float32, saturated; exactly 0 for a scale that is not positive and finite (an
+  all-zero block, or a peer's garbage). Subnormal scales are read exactly."""
   f, n = scale_split(scale)
   positive = positive_scale(scale)
   values = (q.astype(jnp.float32) / jnp.where(positive, n, 1.0)) * (1.0 / f)
@@ -172,9 +167,8 @@ def scale_split(scale) -> tuple[jax.Array, jax.Array]:
 
 
 def reciprocal(scale: jax.Array) -> jax.Array:
-  """1 / scale for a positive finite scale, subnormal ones included (saturated: 1 / s may be
-  just above the float32 maximum), else 1: q / s is computed as q * (1 / s), one division a
-  block."""
+  """1 / scale, saturated, for a positive finite scale (subnormal included), else 1: q / s is
+  q * (1 / s), one division a block."""
   f, n = scale_split(scale)
   positive = positive_scale(scale)
   return jnp.where(positive, saturate((1.0 / jnp.where(positive, n, 1.0)) * (1.0 / f)), 1.0)
@@ -224,9 +218,8 @@ def unit_factors(absmax: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def clip_range(absmax: jax.Array, mean_square: jax.Array, clip_rms: float) -> jax.Array:
-  """min(clip_rms x rms, absmax), rms from `mean_square`, the mean of (x / absmax)**2: the
-  range the top code covers under scale_method="rms" (values beyond it clip; never beyond the
-  block's max). Computed on x / absmax so that x**2 cannot overflow."""
+  """min(clip_rms x rms, absmax), the range the top code covers under scale_method="rms";
+  `mean_square` is the mean of (x / absmax)**2, which cannot overflow."""
   ratio = jnp.minimum(np.float32(clip_rms) * jnp.sqrt(mean_square), 1.0)
   return absmax * ratio
 

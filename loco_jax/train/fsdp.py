@@ -49,9 +49,8 @@ class LayeredModel(NamedTuple):
 
 
 def whole_model(loss_fn: Callable[[Any, Any], jax.Array]) -> LayeredModel:
-  """The fallback for a model that is not a stack: `loss_fn(params, batch)` as a head alone,
-  with params `Layered({}, {}, params)`. Every leaf is gathered at once, once for the forward
-  and once for the backward pass.
+  """A model that is not a stack: `loss_fn(params, batch)` as a head alone, with params
+  `Layered({}, {}, params)`; every leaf is gathered at once.
 
   Example:
     >>> model = whole_model(lambda p, b: jnp.mean((b @ p["w"] + p["b"]) ** 2))

@@ -65,9 +65,8 @@ def symbols_per_byte(fmt: fp.FloatFormat) -> int:
 
 
 def predicted_bits(n: int, symbol_bits: float, gather_bits: float, per_shard: bool) -> float:
-  """Bits a device sends per parameter a step at `symbol_bits` a symbol in the all-to-all (or
-  the all-gather of whole gradients) and `gather_bits` an element in the gather of the
-  averaged shards (16 for bf16), scales aside."""
+  """Bits a device sends per parameter a step, scales aside: `symbol_bits` a symbol in the
+  all-to-all (or whole gradients' all-gather), `gather_bits` an element in the shards' gather."""
   if per_shard:
     return (n - 1) / n * (symbol_bits + gather_bits)
   return (n - 1) * symbol_bits
@@ -85,19 +84,10 @@ def gather_bits(settings: Co3Settings, n: int) -> float:
 
 
 def gather_reach_bits(settings: Co3Settings, n: int) -> float | None:
-  """Bits an element of a coded gather's slot with its extension (None: no extension, where
-  the caller sized the slot)."""
+  """Bits an element of a coded gather's slot with its extension (None: a given size, none)."""
   if settings.gather_capacity_bits is not None:
     return None
   return co3_host.default_sum_capacity_bits(n)
-
-
-def _extension(size: int, capacity: int, reach_bits_per_byte: float | None) -> int:
-  """Bytes of a slot's extension (`comm.coded`) beyond `capacity`, reaching
-  `reach_bits_per_byte` for `size` bytes; 0 without."""
-  if reach_bits_per_byte is None:
-    return 0
-  return max(0, coded.slot_bytes(size, reach_bits_per_byte, CODER) - capacity)
 
 
 def is_per_shard(settings: Co3Settings, n: int) -> bool:
@@ -196,30 +186,27 @@ def _symbol_slots(settings: Co3Settings) -> tuple[float, float | None]:
   return settings.capacity_bits * per_byte, None if reach is None else reach * per_byte
 
 
-def _send(settings: Co3Settings, rows_NxB, side_NxS, coded_path: bool) -> coded.Received:
+def _exchange(settings: Co3Settings, gather: bool, rows, side, coded_path: bool,
+              bits_per_byte: float, reach_bits_per_byte: float | None) -> coded.Received:
+  """Rows through the all-to-all, or one row through the all-gather: raw, or coded into slots
+  of `bits_per_byte` whose extension (`comm.coded`) reaches `reach_bits_per_byte` (None: none)."""
   if not coded_path:
-    return coded.raw_all_to_all(rows_NxB, side_NxS, settings.axis_name)
-  bits, reach = _symbol_slots(settings)
-  capacity = coded.slot_bytes(rows_NxB.shape[1], bits, CODER)
-  return coded.all_to_all(rows_NxB, side_NxS, capacity, CODER, settings.axis_name,
-                          _extension(rows_NxB.shape[1], capacity, reach))
-
-
-def _gather(settings: Co3Settings, row_B, side_S, coded_path: bool, bits_per_byte: float,
-            reach_bits_per_byte: float | None) -> coded.Received:
-  if not coded_path:
-    return coded.raw_all_gather(row_B, side_S, settings.axis_name)
-  capacity = coded.slot_bytes(row_B.shape[0], bits_per_byte, CODER)
-  return coded.all_gather(row_B, side_S, capacity, CODER, settings.axis_name,
-                          _extension(row_B.shape[0], capacity, reach_bits_per_byte))
+    raw = coded.raw_all_gather if gather else coded.raw_all_to_all
+    return raw(rows, side, settings.axis_name)
+  size = rows.shape[-1]
+  capacity = coded.slot_bytes(size, bits_per_byte, CODER)
+  extension = (0 if reach_bits_per_byte is None else
+               max(0, coded.slot_bytes(size, reach_bits_per_byte, CODER) - capacity))
+  send = coded.all_gather if gather else coded.all_to_all
+  return send(rows, side, capacity, CODER, settings.axis_name, extension)
 
 
 def _whole(settings: Co3Settings, layouts: list, rows_1xB: jax.Array, scales: jax.Array,
            flag: jax.Array, coded_path: bool) -> Exchanged:
   """The all-gather of every device's whole symbols; each device averages all of them."""
   leaf_count = len(layouts)
-  got = _gather(settings, rows_1xB[0], jnp.concatenate([scales, flag[None]]), coded_path,
-                *_symbol_slots(settings))
+  got = _exchange(settings, True, rows_1xB[0], jnp.concatenate([scales, flag[None]]),
+                  coded_path, *_symbol_slots(settings))
   values = row_values(got.rows, got.side[:, :leaf_count], layouts, settings.fmt)
   flag = got.side[:, leaf_count].sum() + _corrupt(got.missing)
   if coded_path:  # its sender does not decode its own stream: agree on what receivers found
@@ -254,8 +241,8 @@ def _sum_gather(settings: Co3Settings, got: coded.Received, layouts: list, scale
   valid = jnp.all(jnp.isfinite(sum_R))
   status = status + jnp.stack([jnp.where(valid, 0.0, jnp.inf), 0.0]).astype(jnp.float32)
   sums_B = jnp.where(jnp.isfinite(sum_R), sum_R + offset, 0).astype(jnp.uint8)
-  gathered = _gather(settings, sums_B, status, coded_path, gather_bits(settings, n),
-                     gather_reach_bits(settings, n))
+  gathered = _exchange(settings, True, sums_B, status, coded_path, gather_bits(settings, n),
+                       gather_reach_bits(settings, n))
   # A byte above 2 * offset is no sum of n levels: a peer's forgery, counted as a stream that
   # does not decode (`_corrupt`).
   forged = jnp.any(gathered.rows > 2 * offset).astype(jnp.int32)
@@ -271,7 +258,7 @@ def _per_shard(settings: Co3Settings, layouts: list, rows_NxB: jax.Array, scales
   """All-to-all of the rows, the mean of this device's shard, the gather of the shards."""
   n, leaf_count = layouts[0].rows, len(layouts)
   side_NxS = jnp.broadcast_to(jnp.concatenate([scales, flag[None]]), (n, leaf_count + 1))
-  got = _send(settings, rows_NxB, side_NxS, coded_path)
+  got = _exchange(settings, False, rows_NxB, side_NxS, coded_path, *_symbol_slots(settings))
   status = jnp.stack([got.side[:, leaf_count].sum() + _corrupt(got.missing),
                       (got.missing[0] > 0).astype(jnp.float32)])
   if settings.gather == "bf16":
