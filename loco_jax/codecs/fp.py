@@ -104,9 +104,8 @@ def scale_range(fmt: FloatFormat, dtype: Any = np.float32) -> tuple[float, float
   """(smallest, largest) scale whose dequantized levels `level * (1 / scale)` are finite normal
   numbers of `dtype`, and so is the scale itself.
 
-  XLA on CPU flushes denormals to zero, which would turn 1 / scale into inf (and 0 * inf into
-  NaN) or a small level into 0; above the range the largest level overflows. jax arrays are
-  not checked (they may be traced): callers clip into this range, as co3 does.
+  XLA:CPU flushes denormals to zero (1 / scale would become inf); above the range the largest
+  level overflows. jax arrays are not checked: callers clip into this range, as co3 does.
 
   Example:
     >>> scale_range(FP4)  # 2**-126 and 2**125: level 0.5 * 2**-125 is still normal
@@ -200,17 +199,10 @@ def _magnitude_codes(xp, y, fmt: FloatFormat):
 def quantize(x: ArrayLike, fmt: FloatFormat, scale: ArrayLike = 1.0) -> ArrayLike:
   """Rounds `x * scale` to the nearest level of `fmt` and returns `level * (1 / scale)`.
 
-  Ties go to the even mantissa (IEEE round-half-to-even on each binade's grid). Values beyond
-  the largest level, ±inf included, saturate at ±max_value(fmt) (there is no inf). NaN stays
-  NaN. Values that round to zero give +0. The result has x's float dtype (float32 for
-  integer x); numpy in gives numpy out, jax in gives jax out (also under jit), bit-identical
-  except where `level * (1 / scale)` is a float32 denormal, which XLA on CPU flushes to zero.
-
-  Args:
-    x: values to round.
-    fmt: the small-float format, e.g. FP4.
-    scale: positive finite multiplier, a number or an array broadcastable to x, inside
-      scale_range(fmt, dtype) (float64 for float64 x, else float32); ValueError outside.
+  Ties go to the even mantissa. Values beyond the largest level, ±inf included, saturate;
+  NaN stays NaN; zeros are +0. The result has x's float dtype (float32 for integer x); numpy in
+  gives numpy out, jax in jax out, bit-identical except for float32 denormal results, which
+  XLA:CPU flushes. `scale` (broadcastable to x) must lie in scale_range(fmt) (ValueError).
 
   Example:
     >>> quantize(np.array([0.2, 0.8, 2.6, 100.0], np.float32), FP4)
@@ -227,9 +219,8 @@ def quantize(x: ArrayLike, fmt: FloatFormat, scale: ArrayLike = 1.0) -> ArrayLik
 def encode(x: ArrayLike, fmt: FloatFormat, scale: ArrayLike = 1.0) -> ArrayLike:
   """uint8 symbols of quantize(x, fmt, scale): `sign << (e + m) | exponent << m | mantissa`.
 
-  ±inf saturate to the ±max symbol. NaN: numpy input raises ValueError; jax input (where jit
-  cannot raise) encodes NaN as negative zero (sign bit set, all else 0), a symbol that finite
-  values never produce (they round to +0) and that decode maps back to NaN.
+  ±inf saturate. NaN raises ValueError in numpy; in jax it encodes as negative zero, which
+  finite values never produce and decode maps back to NaN.
   decode(encode(x, f, s), f, s) == quantize(x, f, s) bit for bit for float32 x.
 
   Example:
@@ -252,9 +243,8 @@ def encode(x: ArrayLike, fmt: FloatFormat, scale: ArrayLike = 1.0) -> ArrayLike:
 def decode(symbols: ArrayLike, fmt: FloatFormat, scale: ArrayLike = 1.0) -> ArrayLike:
   """float32 values `level * (1 / scale)` of uint8 `symbols` made by encode.
 
-  Symbols that encode never makes for finite input decode to NaN: negative zero (the NaN
-  symbol of jit-side encode), the reserved all-ones exponent and, for formats of fewer than
-  8 bits, values >= 2**fmt.bits. A numpy or Python `scale` must lie in scale_range(fmt).
+  Symbols that encode never makes for finite input decode to NaN. A numpy or Python `scale`
+  must lie in scale_range(fmt).
 
   Example:
     >>> decode(np.array([1, 13, 5], np.uint8), FP4)

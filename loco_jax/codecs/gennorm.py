@@ -47,10 +47,6 @@ def _check_parameters(beta: float | None, alpha: float | None, loc: float = 0.0)
       raise ValueError(f"{name} must be {description}, got {value!r}.")
 
 
-# ----------------------------------------------------------------------------------------------
-# Distribution.
-
-
 def cdf(x: ArrayLike, beta: float, alpha: float, loc: float = 0.0) -> np.ndarray:
   """GenNorm cumulative distribution at x (float64, accurate in both tails).
 
@@ -71,10 +67,8 @@ def cdf(x: ArrayLike, beta: float, alpha: float, loc: float = 0.0) -> np.ndarray
 def ppf(quantile: ArrayLike, beta: float, alpha: float, loc: float = 0.0) -> np.ndarray:
   """GenNorm quantile function (inverse cdf); 0 and 1 map to -inf and +inf.
 
-  With t = (|x - loc| / alpha)**beta and a = 1 / beta, P(a, t) = |2 quantile - 1|: t is the
-  inverse of P below the median of |x - loc| and of Q = 1 - P above, whichever is small.
-  beta must be in BETA_LIMITS, alpha > 0 and loc finite (ValueError otherwise); quantiles
-  outside [0, 1] (or NaN) give NaN.
+  t = (|x - loc| / alpha)**beta solves P(1 / beta, t) = |2 quantile - 1|, through whichever of
+  P and Q = 1 - P is small. Parameters are checked as in `cdf`; quantiles outside [0, 1] give NaN.
 
   Example:
     >>> float(ppf(0.5, 0.7, 1.0))
@@ -128,22 +122,13 @@ def sample(key_or_rng: Any, beta: float, alpha: float, shape: tuple[int, ...],
   return loc + sign * alpha * g ** (1.0 / beta)
 
 
-# ----------------------------------------------------------------------------------------------
-# Fit.
-
-
 def fit(x: ArrayLike, loc: float | None = 0.0, beta: float | None = None) -> GenNormFit:
   """Maximum-likelihood GenNorm fit of the values of x.
 
-  Given beta, alpha = (beta * mean(|x - loc|**beta))**(1/beta) is exact; beta maximises the
-  profile likelihood, found by safeguarded Newton steps from the ratio-of-moments estimate.
-  beta is kept in BETA_RANGE.
-
-  Args:
-    x: samples (any shape; numpy or jax). Must be finite, with at least two non-zero |x - loc|,
-      and a spread alpha that is a normal float64 (data of denormals raise ValueError).
-    loc: the centre, finite; None estimates it by the median.
-    beta: a fixed shape in BETA_LIMITS (2.0 fits a normal, 1.0 a Laplace); None fits it.
+  Given beta, alpha = (beta * mean(|x - loc|**beta))**(1/beta); beta, in BETA_RANGE,
+  maximises the profile likelihood (safeguarded Newton steps from the moments' estimate).
+  x must be finite, with two non-zero |x - loc| and a normal float64 alpha (else ValueError).
+  loc None is the median; a given beta (2.0: a normal, 1.0: a Laplace) is in BETA_LIMITS.
 
   Example:
     >>> fit(sample(np.random.default_rng(0), 0.7, 1e-3, (100_000,)))  # doctest: +ELLIPSIS
@@ -234,16 +219,11 @@ def _likelihood_beta(z: np.ndarray, start: float) -> float:
   return b
 
 
-# ----------------------------------------------------------------------------------------------
-# Quantization model.
-
-
 def fp4_scale(beta: ArrayLike, alpha: ArrayLike) -> ArrayLike:
   """CO3's MSE-optimal fp4 scale p(beta) / alpha, p(b) = 0.46 - 2.85b + 5.37b^2 - 2.85b^3 + 0.52b^4.
 
-  p is floored at 0.0009; it is a fit meant for beta >= ~0.35 (p(0.5) = 0.054, p(1) = 0.65,
-  p(2) = 1.76). Works on numbers, numpy and jax arrays; numbers and numpy arrays must have
-  beta >= 0 and alpha > 0, finite (ValueError otherwise; jax arrays are not checked).
+  p, a fit for beta >= ~0.35, is floored at 0.0009. Numbers and numpy arrays need finite
+  beta >= 0 and alpha > 0 (ValueError); jax arrays are not checked.
 
   Example:
     >>> round(fp4_scale(1.0, 2.0), 3)
@@ -302,10 +282,6 @@ def entropy_bits(fmt: fp.FloatFormat, beta: float, alpha: float, scale: float) -
   return float(-np.sum(probabilities * np.log2(probabilities)))
 
 
-# ----------------------------------------------------------------------------------------------
-# Validation of the GenNorm assumption (CO3 Sec. III).
-
-
 def wasserstein2(x: ArrayLike, dist: GenNormFit) -> float:
   """1-D W2 distance between the sample x and `dist`: sorted x against quantiles at (i+0.5)/n.
 
@@ -328,12 +304,9 @@ def validate(grads: Any, max_samples: int = 100_000, min_size: int = 64,
              loc: float | None = 0.0, seed: int = 0) -> dict[str, dict[str, float]]:
   """Fits every leaf of a gradient pytree and measures how well GenNorm, normal, Laplace fit.
 
-  Leaves with more than `max_samples` values are subsampled with a fixed seed (the same leaf
-  always gives the same result). Leaves smaller than `min_size` (biases, norm scales) or with
-  fewer than 2 non-zero values are left out: their fit says nothing.
-
-  Returns:
-    {leaf path: {"beta", "alpha", "w2_normal", "w2_laplace", "w2_gennorm"}}.
+  Leaves over `max_samples` values are subsampled with a fixed seed; leaves under `min_size`
+  or with fewer than 2 non-zero values are left out. Returns
+  {leaf path: {"beta", "alpha", "w2_normal", "w2_laplace", "w2_gennorm"}}.
 
   Example:
     >>> report = validate({"w": sample(0, 0.8, 1e-3, (4096,))})

@@ -1,21 +1,13 @@
 """Fast Huffman coding of byte rows: zlib's Huffman-only deflate behind a checked header.
 
-The wire format of CO3's coded exchange. zlib's `Z_HUFFMAN_ONLY` strategy writes deflate
-blocks of dynamic Huffman codes for the bytes and never an LZ77 match: pure Huffman coding,
-one code table per block of about 32K bytes (carried in the block's header). Streams are
-written by zlib-ng (the `zlib-ng` package's bindings: the same deflate format as Python's
-zlib, in about half its encoding time) and read by libdeflate (the `deflate` package: a
-whole-buffer inflate into exactly the expected bytes, 1.7x zlib-ng's speed on these streams;
-docs/EXPERIMENTS_CO3.md); Python's zlib reads ours and we read its. For fp4 a byte is a
-pair of symbols (`first << 4 | second`), which closes most of Huffman's gap to the entropy,
-as `huffman.encode_pairs` does.
+The wire format of CO3's coded exchange: `Z_HUFFMAN_ONLY` deflate, one code table per block of
+about 32K bytes and no LZ77 match. zlib-ng writes the streams and libdeflate reads them
+(docs/EXPERIMENTS_CO3.md); Python's zlib reads ours and we read its. fp4 symbols travel in
+pairs, one byte each pair, which closes most of Huffman's gap to the entropy.
 
 Stream: "LD", version 1, the byte count (LEB128 varint), the CRC32 of the bytes (4 bytes,
-little-endian), then raw deflate (no zlib header). `decode` treats the stream as untrusted:
-whatever does not decode to exactly the expected bytes raises ValueError (wrong magic,
-version or count, truncation, a deflate error, a CRC mismatch), and it never produces more
-than the expected count (memory is bounded by the caller's `size`). Bytes after the deflate's
-final block are not read (libdeflate stops there): they cannot change what is decoded.
+little-endian), then raw deflate. `decode` trusts nothing: whatever does not decode to exactly
+the expected bytes raises ValueError, and it never produces more than the expected count.
 
 Example:
   >>> data = np.array([0, 0, 1, 9], np.uint8)
@@ -41,14 +33,7 @@ HEADER_BYTES = 2 + 1 + 5 + 4 + 8
 
 
 def encode(data: np.ndarray) -> bytes:
-  """The stream of uint8 `data` (any shape, read flat).
-
-  Args:
-    data: uint8 array.
-
-  Returns:
-    The stream: header, then the Huffman-only deflate of the bytes.
-  """
+  """The stream of uint8 `data` (any shape, read flat): the header, then the deflate."""
   data = np.ascontiguousarray(data)
   if data.dtype != np.uint8:
     raise ValueError(f"huffman_deflate.encode takes uint8 data, got {data.dtype}")
@@ -63,15 +48,8 @@ def overhead(size: int) -> int:
 
 
 def decode(stream, size: int) -> np.ndarray:
-  """The `size` bytes of a stream made by `encode`; ValueError for anything else.
-
-  Args:
-    stream: bytes-like (bytes, bytearray, memoryview, a uint8 array).
-    size: the byte count the caller expects; a stream of another count is refused.
-
-  Returns:
-    uint8 [size].
-  """
+  """uint8 [size], the bytes of a bytes-like stream made by `encode`; ValueError for anything
+  else, a stream of another count included."""
   try:
     view = memoryview(stream).cast("B")
   except TypeError as e:

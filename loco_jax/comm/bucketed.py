@@ -34,10 +34,8 @@ def all_to_all_mean(packed: Sequence[jax.Array], scales: Sequence[jax.Array] | N
   """ONE all-to-all of every bucket's packed rows (uint8 [rows, blocks, len * bits / 8]) and
   block scales ([rows, blocks]; None with a fixed scale), plus the float32 flag of each device.
 
-  Device j receives row j from every peer (never re-quantized on the way) and averages them
-  with `kernels.dequantize_mean`: returns this device's averaged shard of each bucket
-  ([blocks * len] float32) and the sum of the peers' flags (0, or NaN when some peer saw a
-  non-finite gradient).
+  Returns this device's shard of each bucket averaged by `kernels.dequantize_mean`
+  ([blocks * len] float32) and the sum of the peers' flags (NaN: some gradient not finite).
   """
   rows, k = packed[0].shape[0], len(packed)
   buffer, parts = framing.frame([*packed, *(scales or ()), _flags(flag, rows)])

@@ -1,21 +1,14 @@
 """A coded exchange: byte rows entropy-coded on the host into fixed-capacity slots of one
 all-to-all (or all-gather), decoded on the host where they arrive; the raw exchange beside it.
 
-What crosses is each slot at its capacity (collectives have static shapes), its stream's
-length and a few float32 side numbers per row (scales, flags). A stream longer than its slot
-is not sent: the receiver counts the slot as overflowed, and one that does not decode to
-exactly its row as corrupt; `Received.missing` carries both counts, and the caller decides
-(through a later collective, so that every device decides alike) whether to redo the exchange
-raw or to skip the step. Nothing here knows what the bytes mean: CO3 sends pairs of fp4
-symbols (or fp8 symbols), LoCo's packed 4-bit codes (`quant.pack`) go through the same calls.
+Each slot crosses at its capacity (collectives have static shapes) with its stream's length
+and a few float32 side numbers per row. A stream longer than its slot is not sent and counts
+as overflowed; one that does not decode to exactly its row counts as corrupt
+(`Received.missing`). The caller decides, through a later collective, whether to redo the
+exchange raw or to skip the step. Nothing here knows what the bytes mean.
 
-A slot may have an extension: its first `capacity` bytes always cross, the next `extension`
-bytes only on the steps where some stream is longer than `capacity` (a second collective inside
-a lax.cond, which every device enters alike): slots sized for the usual streams, with room for
-the rare long ones without resending the step raw.
-
-Entry points: `all_to_all` (row j to device j: a reduce-scatter's first half), `all_gather`,
-and `raw_all_to_all` / `raw_all_gather` with the same results for the uncoded path.
+A slot may have an extension: `extension` more bytes that cross, in a second collective inside
+a lax.cond, only on the steps where some stream is longer than `capacity`.
 
 Example (inside jax.shard_map over "data", n devices):
   >>> coder = codecs.huffman_deflate                                     # doctest: +SKIP
@@ -52,13 +45,9 @@ def _code(rows_NxB: jax.Array, capacity: int, coder: ByteCoder, sender: jax.Arra
   """One host call: every row coded into its slot -> (uint8 [N, capacity], int32 [N])."""
   n = rows_NxB.shape[0]
   shapes = (jax.ShapeDtypeStruct((n, capacity), jnp.uint8), jax.ShapeDtypeStruct((n,), jnp.int32))
-  out = host_call(functools.partial(_fill, capacity=capacity, coder=coder), shapes, rows_NxB,
-                  sender, jnp.asarray(skip, jnp.int32))
+  fill = lambda rows, sender, skip: fill_slots(rows, sender, capacity, coder, int(skip))
+  out = host_call(fill, shapes, rows_NxB, sender, jnp.asarray(skip, jnp.int32))
   return leaves.vary_like(out, rows_NxB)
-
-
-def _fill(rows, sender, skip, capacity, coder):
-  return fill_slots(rows, sender, capacity, coder, int(skip))
 
 
 def _decode(slots_NxC: jax.Array, lengths: jax.Array, own_B: jax.Array, me: jax.Array,
@@ -99,19 +88,9 @@ def all_to_all(rows_NxB: jax.Array, side_NxS: jax.Array, capacity: int, coder: B
   """Row j of `rows_NxB` (uint8) coded into a slot of `capacity` bytes, sent to device j with
   row j of `side_NxS` (float32) in ONE all-to-all; every slot received here decoded.
 
-  Args:
-    rows_NxB: uint8 [n, B], n the size of `axis_name`: row j is device j's.
-    side_NxS: float32 [n, S] numbers sent beside each row, uncoded.
-    capacity: bytes of a slot (`slot_bytes`).
-    coder: the host coder.
-    axis_name: the mesh axis (inside jax.shard_map).
-    extension: bytes a slot may take beyond `capacity`, sent (every slot's, in a second
-      all-to-all) only where some device coded a longer stream; the devices agree on it in one
-      all-reduce of their longest stream.
-
-  Returns:
-    `Received`: row s is device s's row j for this device j; this device's own row is never
-    coded (it does not cross the wire).
+  `side_NxS`: float32 numbers sent uncoded beside each row. `extension`: bytes a slot may take
+  beyond `capacity`, sent in a second all-to-all only where some device coded a longer stream.
+  Returns `Received`: row s is what device s sent here; this device's own row is never coded.
   """
   me = jax.lax.axis_index(axis_name)
   slots, lengths = _code(rows_NxB, capacity + extension, coder, me, me)

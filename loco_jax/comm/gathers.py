@@ -47,11 +47,9 @@ def mean_16bit(values: Sequence[jax.Array], axis_name: AxisName,
                backend: str | None = None) -> list[jax.Array]:
   """The mean over the axis of 16-bit float arrays, crossing the wire at 16 bits a value.
 
-  Where the backend carries bf16 collectives as they are, one `pmean`. Where it widens them
-  (`WIDENING_BACKENDS`, default: `jax.default_backend()`), a sum cannot run on bit patterns,
-  so: a reduce-scatter by all-to-all of uint16 rows, a local float32 sum of the received
-  shard, rounded once to the 16-bit dtype, and a uint16 all-gather; the same bytes a ring
-  all-reduce sends, 2 (n-1)/n x 16 bits a value. The HLO shows which one ran.
+  One `pmean` where the backend carries bf16 collectives as they are. Where it widens them
+  (`WIDENING_BACKENDS`), an all-to-all of uint16 rows, a float32 sum rounded once, and a uint16
+  all-gather: the bytes of a ring all-reduce at 16 bits.
   """
   if not values:
     return []

@@ -21,12 +21,9 @@ Groups = tuple[tuple[int, ...], ...]
 class Collective(NamedTuple):
   """One collective of a lowered step: `nbytes` is the full buffer (gathered or pre-scatter).
 
-  `groups` are the device groups it runs over (the program's device numbers: positions in the
-  mesh's flattened device array), `group_size` the size of the largest. A collective-permute
-  has `pairs`, its (source, target) devices, and for groups the sets of devices they connect.
-  `conditional` marks one inside a branch of a conditional (a rare path such as CO3's
-  overflow), which a step does not always run. `op_name`: its metadata's, with the
-  `jax.named_scope`s it was made in.
+  `groups`: its device groups (positions in the mesh's flattened device array), `group_size`
+  the largest's size; a collective-permute's `pairs` (source, target) and the sets they connect.
+  `conditional`: inside a conditional's branch, not run every step. `op_name`: its metadata's.
   """
   op: str
   dtype: str
@@ -49,7 +46,7 @@ class Collective(NamedTuple):
     return factor * self.nbytes
 
 
-_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")  # a computation's first line
 _BRANCHES = re.compile(r"(?:branch_computations=\{([^}]*)\}|"
                        r"(?:true|false)_computation=%?([\w.\-]+))")
 
@@ -190,9 +187,9 @@ def collectives(hlo_text: str, num_devices: int) -> list[Collective]:
       branches.update(name.strip().lstrip("%") for name in (listed or single).split(","))
   found, computation = [], ""
   for line in lines:
-    header = _COMPUTATION.match(line)
+    header = _HEADER.match(line)
     if header:
-      computation = header.group(1)
+      computation = header.group(2)
       continue
     m = _INSTRUCTION.search(line)
     if not m:
@@ -231,7 +228,6 @@ def compiled_collectives(fn, *args, num_devices: int | None = None) -> list[Coll
   return collectives_per_step(text, num_devices or jax.device_count())
 
 
-_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _CALLEE = re.compile(r"(calls|to_apply|body|condition|true_computation|false_computation)="
                      r"%?([\w.\-]+)|branch_computations=\{([^}]*)\}")
 _TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
@@ -296,8 +292,7 @@ def async_collectives(hlo_text: str) -> dict[str, int]:
       done = re.search(r"[\w\-]+-done\(.*?%([\w.\-]+)\)", line)
       if done and done.group(1) in open_starts:
         kind, at = open_starts.pop(done.group(1))
-        overlapped.setdefault(kind, 0)
-        overlapped[kind] += i - at > 1
+        overlapped[kind] = overlapped.get(kind, 0) + (i - at > 1)
   return overlapped
 
 

@@ -1,26 +1,17 @@
 """Chunked collectives: an all-to-all or all-gather cut into pieces of at most N bytes a peer.
 
-Why: XLA:CPU runs cross-process collectives over gloo, whose TCP pairs send a buffer only
-after the peer has said it is ready to receive it, and XLA posts each send before its
-receive. The host that finds its peer already waiting writes its whole buffer into the
-socket, and its own "ready to receive" message queues behind that buffer in the same
-stream: the two directions of a pair take turns, and a large all-to-all, all-gather or
-collective-permute moves at about half the duplex rate (docs/NETWORK.md). Cut into a
-sequence of smaller collectives, each turn is short and the next piece's handshake rides
-close behind, which brought an all-to-all back to ~90% of the link rate at 1 Gb/s. Every
-collective costs a few milliseconds of set-up, so a piece must not be too small either.
+Why: over gloo (XLA:CPU across processes) the two directions of a TCP pair take turns, so a
+large collective moves at about half the duplex rate; cut into a sequence of smaller ones, an
+all-to-all came back to ~90% of a 1 Gb/s link (docs/NETWORK.md). Each collective costs a few
+milliseconds to set up, so a piece must not be too small either.
 
-`chunk_bytes()` decides per backend: cross-process CPU collectives (gloo) are chunked at
-DEFAULT_CPU_CHUNK_BYTES a peer; GPU (NCCL) and TPU (ICI) pipeline their collectives
-themselves and in-process CPU devices copy memory, so those run whole. Override it with
-`chunking(nbytes)` (a trace-time context) or the environment's LOCO_JAX_WIRE_CHUNK_BYTES
-(a byte count, or "none"). The pieces are separate collectives in the compiled program, so
-the HLO accounting lists every one and their bytes add up to the unchunked collective's;
-the data only moves (slices and concatenations), so the result is the same, bit for bit.
+`chunk_bytes()` chunks cross-process CPU collectives at DEFAULT_CPU_CHUNK_BYTES a peer and runs
+GPU, TPU and in-process CPU ones whole. Override it with `chunking(nbytes)` at trace time or
+LOCO_JAX_WIRE_CHUNK_BYTES (a byte count, or "none"). The pieces are separate collectives whose
+bytes add up to the whole one's, and the result is the same bit for bit.
 
-`reduce_scatter` sums over the devices: where pieces are cut (gloo) it is an all-to-all of the
-rows and a sum here, because gloo's own reduce-scatter (halving-doubling) sends more than each
-peer's row: +8.7% of the bytes on average at 4 hosts, +17% from one of them (docs/NETWORK.md).
+`reduce_scatter` where pieces are cut is an all-to-all and a local sum: gloo's own sends +8.7%
+more bytes at 4 hosts (docs/NETWORK.md).
 """
 
 import contextlib

@@ -1,14 +1,10 @@
 """Buckets: a pytree's compressible leaves laid out once, from shapes, in a few flat arrays.
 
-Like DDP's buckets: LoCo compresses, exchanges and averages per bucket instead of per leaf, so
-a step is a few kernel calls and one all-to-all whatever the leaf count. Each leaf of `size`
-elements is cut into `rows` rows (one per device on the axis: row j is the shard device j
-averages, `layout.shard_len` elements of the zero-padded leaf, as in the per-leaf layout that
-sharded optimizers use). Each row is cut into pieces of whole scale blocks: full blocks of
-`block_size` and, for what is left, one more full block or blocks of shorter lengths (powers
-of two times 8, chosen per plan; at most three lengths in all), whichever sends fewer bytes,
-so that no block straddles two leaves or two rows and a small leaf is not padded to a full
-block.
+Like DDP's buckets: a step is a few kernel calls and one all-to-all whatever the leaf count.
+Each leaf is cut into `rows` rows, row j the shard device j averages (`layout.shard_len`
+elements of the zero-padded leaf). Each row is cut into whole scale blocks: full blocks of
+`block_size` and, for the rest, one more full block or shorter blocks (8 times powers of two,
+at most three lengths a plan), whichever sends fewer bytes; no block straddles two leaves.
 Bucket c holds every piece whose blocks have length `block_lens[c]`: [rows, blocks, len].
 """
 

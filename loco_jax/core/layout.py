@@ -14,11 +14,9 @@ AxisName = str | tuple[str, ...]
 class LeafLayout(NamedTuple):
   """How one flattened leaf of `size` elements lies on the wire: rows x blocks x block_len.
 
-  Row j (one per device on the axis) is the shard device j averages: `row_len` elements of the
-  zero-padded leaf (`shard_len`, the same whatever the block size, so that sharded parameters
-  and gradient shards line up). Each row is cut into `blocks` blocks of `block_len` elements (a
-  multiple of 8, for packing) with one scale each, zero-padded too: every size is compressed,
-  none falls back to full precision.
+  Row j is the shard device j averages: `row_len` (`shard_len`) elements of the zero-padded
+  leaf, whatever the block size, so that parameter and gradient shards line up. Each row is cut
+  into `blocks` blocks of `block_len` elements (a multiple of 8) with one scale each.
   """
   size: int
   rows: int

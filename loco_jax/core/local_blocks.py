@@ -1,21 +1,15 @@
 """Local blocks: a transformation's step on each device's own block of model-sharded leaves.
 
-A leaf may be sharded over mesh axes that the transformation does not average over (a 'model'
-axis). Each device then compresses the block it holds, and nothing crosses those axes but a
-4-byte flag (so that every shard keeps or skips a non-finite step together):
-  (a) manual axes (the caller's jax.shard_map is manual over 'model' too): the leaf is local
-      already;
-  (b) Explicit axes (jax's sharding in types: `jax.typeof(g).sharding.spec` names them):
-      `local_update` and `local_init` run the step in a nested jax.shard_map over those axes,
-      so it sees the local block (no all-gather, no reshape of a sharded array);
-  (c) Auto axes inside a jax.shard_map that is manual over the data axes only: GSPMD lays the
-      leaves out at compile time and a tracer carries no spec. Tell the specs with the
-      transformation's `specs=` argument or the `leaf_specs` context manager (PartitionSpecs
-      like the params; the train steps use `told_specs`), and it runs as in (b). Told nothing,
-      the step flattens whole leaves (GSPMD gathers them over the Auto axes) and warns once.
-A leaf's state follows its layout: flat per-leaf state (a baseline's error) is sharded over all
-the axes the leaf is, P((axes...)); per-group state (LoCo's buckets) over its group's axes; in
-`init` as in `update`.
+A leaf sharded over axes that the transformation does not average over (a 'model' axis) is
+compressed block by block; only a 4-byte flag crosses those axes, so every shard keeps or skips
+a non-finite step together. The block is found from:
+  (a) manual axes: the caller's jax.shard_map is manual over 'model' too, the leaf is local;
+  (b) Explicit axes (`jax.typeof(g).sharding.spec`): `local_update` and `local_init` run the
+      step in a nested jax.shard_map over them;
+  (c) Auto axes: the transformation's `specs=` or the `leaf_specs` context manager tells the
+      specs, and it runs as in (b). Told nothing, it flattens whole leaves and warns once.
+A leaf's state follows its layout: flat per-leaf state is sharded over all the leaf's axes,
+per-group state (LoCo's buckets) over its group's axes.
 """
 
 import contextlib
@@ -38,10 +32,8 @@ _WARNED: set = set()
 def leaf_specs(specs: Any):
   """Tells the transformations updated inside how the gradient leaves are sharded.
 
-  `specs`: PartitionSpecs like the gradient tree (the params' specs). Needed only inside a
-  jax.shard_map that is manual over the data axes and leaves Auto model axes to GSPMD: there a
-  leaf carries no spec, and without one LoCo compresses (and GSPMD gathers) whole leaves. The
-  transformations' own `specs=` argument does the same for one transformation.
+  `specs`: the params' PartitionSpecs. Needed only where a leaf carries no spec: inside a
+  jax.shard_map manual over the data axes with Auto model axes. `specs=` does it for one.
 
   Example:
     >>> with loco_jax.core.local_blocks.leaf_specs({"w": P(None, "model"), "b": P()}):

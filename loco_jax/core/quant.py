@@ -32,12 +32,9 @@ def int_range(bits: int) -> tuple[int, int]:
 
 
 def saturate(x: jax.Array, dtype=jnp.float32) -> jax.Array:
-  """x clipped to the finite range of `dtype` (NaN stays NaN, +-inf becomes +-max); x's dtype
-  must hold that range's bounds exactly (float32 does for every float type up to float32).
+  """x clipped to the finite range of `dtype` (NaN stays NaN, +-inf becomes +-max), which x's
+  dtype must hold exactly: where arithmetic would overflow, one clip fused into the producer.
 
-  Where a finite input's arithmetic would overflow (g + e near the float32 maximum, q / s back
-  near it, a cast to bfloat16 or float16) the result saturates at the largest finite value
-  instead: one clip, fused into the producer.
   Example:
     >>> saturate(jnp.array([7e4, -1.0]), jnp.float16).tolist()
     [65504.0, -1.0]
@@ -92,9 +89,8 @@ def sum_rows(x_NxX: jax.Array) -> jax.Array:
 
 
 def all_finite(x: jax.Array) -> jax.Array:
-  """Whether every value of `x` is finite. A sum of x - x (NaN exactly where some x is inf or
-  NaN): one pass that XLA:CPU reduces as it reads, half the time of `all(isfinite(x))` or of
-  x * 0, whose zeros it writes out first."""
+  """Whether every value of `x` is finite: a sum of x - x, one pass that XLA:CPU reduces as it
+  reads, half the time of `all(isfinite(x))`."""
   return jnp.isfinite(jnp.sum(x - x))
 
 
@@ -119,9 +115,8 @@ def times_scale(x: jax.Array, scale, bits: int) -> jax.Array:
 
 
 def decompress(q: jax.Array, scale: jax.Array | float) -> jax.Array:
-  """q / scale in float32, saturated (never inf: a block of absmax near the float32 maximum can
-  give q / s just above it); a scale that is not positive and finite (0: an all-zero or
-  vanishing block; or a peer's garbage) gives exactly 0. Subnormal scales are read exactly."""
+  """q / scale in float32, saturated; exactly 0 for a scale that is not positive and finite (an
+  all-zero block, or a peer's garbage). Subnormal scales are read exactly."""
   f, n = scale_split(scale)
   positive = positive_scale(scale)
   values = (q.astype(jnp.float32) / jnp.where(positive, n, 1.0)) * (1.0 / f)
@@ -130,7 +125,7 @@ def decompress(q: jax.Array, scale: jax.Array | float) -> jax.Array:
 
 def subnormal_scales(bits: int) -> bool:
   """Whether `bits`-bit block scales can be subnormal: qmax * 2**126 below float32's maximum."""
-  return max(int_range(bits)[1], 1) * 2.0 ** 126 < FLOAT32_MAX
+  return qmax_of(bits) * 2.0 ** 126 < FLOAT32_MAX
 
 
 def scale_of(qmax: int, top: jax.Array) -> jax.Array:
@@ -172,25 +167,27 @@ def scale_split(scale) -> tuple[jax.Array, jax.Array]:
 
 
 def reciprocal(scale: jax.Array) -> jax.Array:
-  """1 / scale for a positive finite scale, subnormal ones included (saturated: 1 / s may be
-  just above the float32 maximum), else 1: q / s is computed as q * (1 / s), one division a
-  block."""
+  """1 / scale, saturated, for a positive finite scale (subnormal included), else 1: q / s is
+  q * (1 / s), one division a block."""
   f, n = scale_split(scale)
   positive = positive_scale(scale)
   return jnp.where(positive, saturate((1.0 / jnp.where(positive, n, 1.0)) * (1.0 / f)), 1.0)
 
 
-def absmax_scale(x_blocks: jax.Array, bits: int) -> jax.Array:
-  """Per-block scale qmax / max|x| over the last axis (`scale_of`: subnormal on blocks above
-  qmax * 2**126); 0 for zero, vanishing or non-finite blocks.
+def qmax_of(bits: int) -> int:
+  """The top code of Eq. (1); 1 at bits=1, whose grid {-1, 0} has qmax 0, so scales stay finite."""
+  return max(int_range(bits)[1], 1)
 
-  For bits=1 the grid is {-1, 0} and qmax is 0; the scale then uses 1 so that it stays finite.
-  """
-  qmax = max(int_range(bits)[1], 1)
-  absmax = jnp.max(jnp.abs(x_blocks), axis=-1)
+
+def scale_from_absmax(absmax: jax.Array, bits: int) -> jax.Array:
+  """qmax / absmax (`scale_of`: subnormal above qmax * 2**126); 0 if vanishing or not finite."""
   usable = (absmax > VANISHING) & jnp.isfinite(absmax)
-  scale = scale_of(qmax, jnp.where(usable, absmax, 1.0))
-  return jnp.where(usable, scale, 0.0).astype(jnp.float32)
+  return jnp.where(usable, scale_of(qmax_of(bits), jnp.where(usable, absmax, 1.0)), 0.0)
+
+
+def absmax_scale(x_blocks: jax.Array, bits: int) -> jax.Array:
+  """Per-block scale qmax / max|x| over the last axis (`scale_from_absmax`)."""
+  return scale_from_absmax(jnp.max(jnp.abs(x_blocks), axis=-1), bits).astype(jnp.float32)
 
 
 SCALE_METHODS = ("absmax", "rms")
@@ -221,9 +218,8 @@ def unit_factors(absmax: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def clip_range(absmax: jax.Array, mean_square: jax.Array, clip_rms: float) -> jax.Array:
-  """min(clip_rms x rms, absmax), rms from `mean_square`, the mean of (x / absmax)**2: the
-  range the top code covers under scale_method="rms" (values beyond it clip; never beyond the
-  block's max). Computed on x / absmax so that x**2 cannot overflow."""
+  """min(clip_rms x rms, absmax), the range the top code covers under scale_method="rms";
+  `mean_square` is the mean of (x / absmax)**2, which cannot overflow."""
   ratio = jnp.minimum(np.float32(clip_rms) * jnp.sqrt(mean_square), 1.0)
   return absmax * ratio
 
@@ -238,22 +234,20 @@ def rms_scale(x_blocks: jax.Array, bits: int, clip_rms: float) -> jax.Array:
     >>> round(float(rms_scale(x, 2, 1.5)[0]), 4)
     0.1629
   """
-  absmax = jnp.max(jnp.abs(x_blocks), axis=-1)
+  absmax = jnp.max(jnp.abs(x_blocks), axis=-1, keepdims=True)
+
+  def mean_square(f, r):
+    return jnp.mean(jnp.square((x_blocks * f) * r), axis=-1, keepdims=True)
+  return scale_from_rms(absmax, mean_square, bits, clip_rms)[..., 0].astype(jnp.float32)
+
+
+def scale_from_rms(absmax: jax.Array, mean_square, bits: int, clip_rms: float) -> jax.Array:
+  """qmax / `clip_range`, `mean_square(f, r)` the block's mean of ((x * f) * r)**2 for
+  `unit_factors`; 0 where `scale_from_absmax` gives 0."""
   usable = (absmax > VANISHING) & jnp.isfinite(absmax)
   safe = jnp.where(usable, absmax, 1.0)
-  f, r = unit_factors(safe[..., None])
-  mean_square = jnp.mean(jnp.square((x_blocks * f) * r), axis=-1)
-  qmax = max(int_range(bits)[1], 1)
-  scale = scale_of(qmax, clip_range(safe, mean_square, clip_rms))
-  return jnp.where(usable, scale, 0.0).astype(jnp.float32)
-
-
-def block_scale(x_blocks: jax.Array, bits: int, scale_method: str = "absmax",
-                clip_rms: float | None = None) -> jax.Array:
-  """`absmax_scale` or `rms_scale` by `scale_method` (SCALE_METHODS)."""
-  if scale_method == "rms":
-    return rms_scale(x_blocks, bits, clip_rms)
-  return absmax_scale(x_blocks, bits)
+  scale = scale_of(qmax_of(bits), clip_range(safe, mean_square(*unit_factors(safe)), clip_rms))
+  return jnp.where(usable, scale, 0.0)
 
 
 def pack(q: jax.Array, bits: int) -> jax.Array:
@@ -278,13 +272,18 @@ def pack(q: jax.Array, bits: int) -> jax.Array:
       out = out | (planes[..., t, :] << (t * bits))
     return out
   planes = unsigned.reshape(*lead, PACK_UNIT, length // PACK_UNIT)
+  return jnp.concatenate(_transpose_bits(planes, bits), axis=-1)
+
+
+def _transpose_bits(planes: jax.Array, count: int) -> list[jax.Array]:
+  """Bit m of plane k becomes bit k of output m (m < count): 8 p-bit values <-> p bytes."""
   out = []
-  for b in range(bits):
-    byte = (planes[..., 0, :] >> b) & 1
-    for t in range(1, PACK_UNIT):
-      byte = byte | (((planes[..., t, :] >> b) & 1) << t)
-    out.append(byte)
-  return jnp.concatenate(out, axis=-1)
+  for m in range(count):
+    word = (planes[..., 0, :] >> m) & 1
+    for k in range(1, planes.shape[-2]):
+      word = word | (((planes[..., k, :] >> m) & 1) << k)
+    out.append(word)
+  return out
 
 
 def unpack(packed: jax.Array, bits: int) -> jax.Array:
@@ -298,17 +297,7 @@ def unpack(packed: jax.Array, bits: int) -> jax.Array:
   else:
     if nbytes % bits:
       raise ValueError(f"unpack: {nbytes} bytes is not a multiple of bits={bits}")
-    byte_planes = packed.reshape(*lead, bits, nbytes // bits)
-    planes = []
-    for t in range(PACK_UNIT):
-      value = (byte_planes[..., 0, :] >> t) & 1
-      for b in range(1, bits):
-        value = value | (((byte_planes[..., b, :] >> t) & 1) << b)
-      planes.append(value)
+    planes = _transpose_bits(packed.reshape(*lead, bits, nbytes // bits), PACK_UNIT)
   unsigned = jnp.stack(planes, axis=-2).reshape(*lead, -1)
   return (unsigned.astype(jnp.int32) + qmin).astype(jnp.int8)
 
-
-def packed_bytes(length: int, bits: int) -> int:
-  """Bytes that `pack` produces for `length` values (a multiple of 8) of `bits` bits."""
-  return length * bits // 8

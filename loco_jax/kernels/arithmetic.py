@@ -36,19 +36,8 @@ class Compressed(NamedTuple):
   decompressed: jax.Array | None  # float32 [size], loco's local-mode output (if asked for)
 
 
-# --- The arithmetic, written once for the jnp path and the Pallas kernels ---------------------
-#
-# Plain float32 arithmetic: each implementation is held to the float64 reference
-# (`reference.check_step`) within float32 rounding, not to the others bit for bit, so compilers
-# may contract products into FMAs. A given program is deterministic run to run.
-
-
-def _absmax_scale(absmax: jax.Array, bits: int) -> jax.Array:
-  """quant.absmax_scale from a precomputed max|x|: qmax / absmax (subnormal above qmax *
-  2**126), 0 if vanishing or not finite."""
-  usable = (absmax > quant.VANISHING) & jnp.isfinite(absmax)
-  scale = quant.scale_of(max(quant.int_range(bits)[1], 1), jnp.where(usable, absmax, 1.0))
-  return jnp.where(usable, scale, 0.0)
+# Plain float32 arithmetic, held to the float64 reference (`reference.check_step`) within
+# float32 rounding, not to the other path bit for bit: compilers may contract products to FMAs.
 
 
 def _quantize(x: jax.Array, scale: jax.Array, bits: int) -> jax.Array:
@@ -65,7 +54,7 @@ def _max_abs(planes: list[jax.Array]) -> jax.Array:
 
 def _fixed_or_absmax(fixed, absmax: jax.Array, bits: int) -> jax.Array:
   if fixed is None:
-    return _absmax_scale(absmax, bits)
+    return quant.scale_from_absmax(absmax, bits)
   return jnp.full_like(absmax, fixed)
 
 
@@ -75,15 +64,12 @@ def _payload_scale(fixed, planes: list[jax.Array], absmax: jax.Array, bits: int,
   rms, absmax) (the mean square taken of x / absmax: no overflow)."""
   if fixed is not None or scale_method == "absmax":
     return _fixed_or_absmax(fixed, absmax, bits)
-  usable = (absmax > quant.VANISHING) & jnp.isfinite(absmax)
-  safe = jnp.where(usable, absmax, 1.0)
-  f, r = quant.unit_factors(safe)
-  total = functools.reduce(jnp.add, [jnp.sum(jnp.square((x * f) * r), axis=-1, keepdims=True)
-                                     for x in planes])
   length = sum(x.shape[-1] for x in planes)
-  scale = quant.scale_of(max(quant.int_range(bits)[1], 1), quant.clip_range(
-      safe, total * np.float32(1.0 / length), clip_rms))
-  return jnp.where(usable, scale, 0.0)
+
+  def mean_square(f, r):
+    return functools.reduce(jnp.add, [jnp.sum(jnp.square((x * f) * r), axis=-1, keepdims=True)
+                                      for x in planes]) * np.float32(1.0 / length)
+  return quant.scale_from_rms(absmax, mean_square, bits, clip_rms)
 
 
 def step_planes(g: list[jax.Array], error: list[jax.Array], error_scale: jax.Array, bits: int,
@@ -116,9 +102,6 @@ def step_planes(g: list[jax.Array], error: list[jax.Array], error_scale: jax.Arr
 
 def is_constant(x) -> bool:
   return not isinstance(x, jax.core.Tracer)
-
-
-# --- jnp: the XLA formulation -------------------------------------------------------------
 
 
 def _compress_whole(g_BxL, error_BxL, error_scale_B, bits, error_bits, beta, fixed_scale,
@@ -232,5 +215,3 @@ def mean_jnp(packed_NxBxP, scales_NxB, bits, unroll: bool):
     total = jax.lax.fori_loop(0, shards, lambda j, acc: acc + peer(j),
                               leaves.vary_like(total, packed_NxBxP))
   return quant.saturate(total * np.float32(up)).reshape(-1)
-
-

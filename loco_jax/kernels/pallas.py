@@ -139,8 +139,3 @@ def mean_pallas(packed_NxBxP, scales_NxB, bits, backend, interpret, tile_blocks,
       interpret=interpret, compiler_params=params, name="loco_dequantize_mean",
   )(packed_NxBxP, scales_NxB[..., None])
   return out.reshape(-1)
-
-
-# --- Choosing the implementation: each is checked against the float64 reference -------------
-
-

@@ -75,13 +75,10 @@ def check_step(g, error, error_scale, out_codes, out_scales, out_error, out_erro
   """Checks one LoCo step of an implementation against DESIGN.md's step in float64 (h, d and
   the residual saturated at the float32 maximum, as every implementation's are).
 
-  Inputs are per block ([blocks, block_len]; scales [blocks]): the gradient, the stored error
-  codes and scales the implementation started from, and what it produced (payload codes as
-  integers, scales, new error codes and scales, optionally d). The residual is computed from
-  the implementation's own codes, so that a code rounded the other way on a boundary is judged
-  once, not again through the error. With scale_method="rms" the payload scale is
-  `rms_scale`'s: its float32 sum of squares may be off by (block_len) roundings (the scale is
-  held to that), and the codes are judged against the implementation's own scale.
+  Inputs are per block ([blocks, block_len]; scales [blocks]): what the implementation started
+  from and what it produced. The residual uses the implementation's own codes, so that a code
+  rounded the other way on a boundary is judged once. With scale_method="rms" the scale may be
+  off by block_len float32 roundings, and the codes are judged against the given scale.
   Example:
     >>> g = np.linspace(-1, 1, 16).reshape(2, 8)
     >>> s = 7 / np.abs(g).max(1)

@@ -53,8 +53,7 @@ def implementation_report(implementation: str, backend: str, bits: int = 4,
   float64 reference (`reference.check_step`, `reference.mean_off`) within float32 rounding,
   else "fail: ..." (what was off) or "error: ..." (why it did not run).
 
-  Three compress steps (each from the previous one's error, the third after a reset) and a
-  dequantize_mean of their payloads; cached per configuration.
+  Three compress steps (the third after a reset) and a dequantize_mean; cached.
   Example:
     >>> implementation_report("jnp", "cpu")
     'pass'
@@ -160,9 +159,6 @@ def chosen_implementation(bits: int = 4, error_bits: int = 8, beta: float = 0.8,
                   scaling=(scale_method, clip_rms))[0]
 
 
-# --- Public API ----------------------------------------------------------------------------
-
-
 def _check_compress(size: int, error, error_scale, fixed_error_scale, bits: int,
                     error_bits: int, block_size: int) -> int:
   quant.check_bits(bits)
@@ -197,21 +193,13 @@ def compress_step(g: jax.Array, error: jax.Array, error_scale: jax.Array | None,
   """LoCo's step on a flat vector whose size is a multiple of block_size.
 
   What `loco()` runs on each bucket: e = error / error_scale (0 if `reset`), h = g + e,
-  q = compress(h; s) with s = qmax / max|h| per block (or `fixed_scale`; with
-  scale_method="rms", s = qmax / min(clip_rms x rms(h), max|h|): `quant.rms_scale`), d = q / s,
-  error' = compress(beta e + (1 - beta)(h - d); per-block absmax (or `fixed_error_scale`),
-  error_bits). The Pallas kernel reads g (4 B) and the error (1 B) once and writes the payload
-  (bits / 8 B) and the new error (1 B): 6.5 B an element at 4 bits (plus 4 B with
-  `decompressed`).
-  `implementation`: "pallas" is one kernel, one program instance per `tile_blocks` scale blocks
-  (Triton on GPU, Mosaic on TPU, the interpreter on CPU); "jnp" is the XLA formulation; "auto"
-  takes Pallas on GPU/TPU where `pallas_report` passes (the float64 reference check), else jnp.
-  Every implementation agrees with `reference.check_step` within float32 rounding and is
-  deterministic run to run. A non-finite g gives finite=False and unspecified other outputs
-  (loco then keeps its previous state); a finite g gives finite outputs: e, g + e, q / s and
-  the residual saturate at the float32 maximum (scales of blocks above qmax * 2**126 are
-  subnormal: `quant.scale_of`).
-  With a fixed scale, `scales` (or `error_scale`) holds that value for every block.
+  q = compress(h; s) with per-block s = qmax / max|h| (`fixed_scale`, or `quant.rms_scale`'s
+  with scale_method="rms"), d = q / s, error' = compress(beta e + (1 - beta)(h - d); per-block
+  absmax or `fixed_error_scale`, error_bits).
+  `implementation`: "pallas" is one kernel, a program per `tile_blocks` blocks; "jnp" the XLA
+  formulation; "auto" takes Pallas on GPU/TPU where `pallas_report` passes, else jnp. Each
+  agrees with `reference.check_step` within float32 rounding. A non-finite g gives
+  finite=False and unspecified other outputs; a finite g gives finite, saturated outputs.
   `skip` (bool []): a step known beforehand to be skipped, as loco's local mode on CPU checks
   the gradients first: where true, `error` and `error_scale` come back as given (no reset) and
   `decompressed` is NaN (the payload is unspecified), in the same pass as the step.
@@ -261,11 +249,8 @@ def dequantize_mean(received: jax.Array, scales: jax.Array, *, bits: int = 4,
   """The float32 mean of N peers' packed shards: a device's work after the all-to-all.
 
   `received` is uint8 [N, blocks * block_len * bits / 8] (row j from peer j, quant.pack's
-  layout within each block) and `scales` float32 [N, blocks]; returns float32
-  [blocks * block_len]: the mean over j of q_j / s_j (0 where s_j is 0) in one pass over the N
-  shards, within float32 rounding of the float64 mean (`reference.mean_off`). It never
-  overflows: each q_j / s_j saturates at the float32 maximum and is added times 2**-k
-  (2**k >= N, exact), the sum then times 2**k / N (`quant.mean_factors`).
+  layout within each block), `scales` float32 [N, blocks]; returns the float32 mean over j of
+  q_j / s_j (0 where s_j is 0), [blocks * block_len], without overflow (`quant.mean_factors`).
   Example:
     >>> g = jnp.linspace(-1.0, 1.0, 2048)
     >>> a = compress_step(g, jnp.zeros(g.size, jnp.int8), jnp.zeros(1))

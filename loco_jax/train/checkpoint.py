@@ -1,41 +1,21 @@
 """Atomic orbax checkpoints of a whole TrainState, checked against the run's config on restore.
 
-A checkpoint is the step directory `DIRECTORY/STEP/` that orbax writes: `state/` holds every
-array of the state as the sharded global jax.Arrays they are (params or zero2 master shards,
-the compressor state with every device's LoCo error and its step counter, the optimizer state,
-the step), and `meta/metadata` a small JSON document next to it: the caller's `config` (model,
-shape, mode, compressor ...), the device count, the mesh, and the tree (path -> shape, dtype,
-PartitionSpec; checkpoint_record.py).
+`DIRECTORY/STEP/` holds orbax's `state/` (every array of the state, sharded as it is) and
+`meta/metadata`, a JSON record of the caller's `config`, the device count, the mesh and the tree
+(checkpoint_record.py). A step is complete once `save` has written its commit marker
+`STEP/loco_jax_commit.json` last, listing every file with its size and sha256
+(checkpoint_steps.py). Only complete steps count, so a job killed during a save resumes from the
+previous one; a save removes its own and orbax's half-written steps, and refuses any other stray
+directory at or above its step.
 
-A checkpoint is complete when its commit marker `STEP/loco_jax_commit.json` exists: `save`
-writes it last, once orbax has committed the step, and it lists every file of the checkpoint
-with its size and sha256 (checkpoint_steps.py). Only complete checkpoints count (`latest_step`,
-the default step of `restore`, `keep`): a directory without the marker (a stray `6/`, a save
-killed before its marker, a half-written `STEP.orbax-checkpoint-tmp-*`) is ignored, so a job
-killed during a save resumes from the previous checkpoint. A save removes the half-written
-steps it finds: this module's own interrupted saves (recognized by their metadata; of any step,
-since orbax would not save below one) and orbax's unfinished steps up to the step it saves.
-Any other stray directory at or above the step being saved is an error, never deleted.
-Saves are synchronous: `save` returns once the checkpoint is committed.
-
-Checkpoints come from disk and are not trusted: `restore` and `metadata` first check every file
-against the marker (reading the checkpoint once more, in every process), and a missing,
-truncated, altered or extra file, a symbolic link, a marker or metadata unlike what `save`
-writes (read with bounded size and nesting, its paths inside the step directory), or a step
-directory that is a file raises a ValueError naming the path and what is wrong.
-
-Multi-host: every process calls `save` and `restore` with the same arguments (each writes and
-reads its own shards; the directory must be shared by all of them); process 0 writes the marker.
-
-A restore only proceeds when the checkpoint matches the run: the same config, the same device
-count, the same mesh (axis names and sizes) and the same tree (shapes, dtypes, PartitionSpecs);
-otherwise it raises a ValueError naming what differs, e.g. "mesh: checkpoint (data=4,
-model=2), now (data=8)", and touches nothing on disk. Another mesh is refused on purpose, not
-re-sharded: the per-device LoCo errors are stacked one per device and the zero2 master shards
-and optimizer state are cut per (data, model) block, so a state saved on one mesh means nothing
-on another. Put `train_layout(mesh, params, mode=...)` in the config to have the restore check
-what the arrays cannot show (the data axes, the mode, the params' model split). Checkpoints of
-format 2 (no mesh record) restore where they were saved on one device and are refused otherwise.
+Checkpoints from disk are not trusted: `restore` and `metadata` check every file against the
+marker and raise a ValueError naming the path and what is wrong. A restore also needs the same
+config, device count, mesh and tree, else a ValueError names each difference, e.g. "mesh:
+checkpoint (data=4, model=2), now (data=8)". Another mesh is refused, not re-sharded: the
+per-device errors and the zero2 shards mean nothing on another mesh. Put
+`train_layout(mesh, params, mode=...)` in the config to check what the arrays cannot show.
+Format 2 checkpoints (no mesh record) restore on one device only. Multi-host: every process
+calls `save` and `restore` alike, on a shared directory; process 0 writes the marker.
 
 Example:
   >>> import tempfile
@@ -73,12 +53,10 @@ _barriers = itertools.count()
 
 
 class _FinishingLoop(asyncio.SelectorEventLoop):
-  """An event loop that lets the tasks still running on it finish before it closes.
+  """An event loop whose running tasks finish (at most `_FINISH_S` s) before it closes.
 
-  Orbax's restore gathers the reads of an array's shards; when one fails, it closes its loop
-  with the others still reading, and they end later into the closed loop (errors that Python
-  can only report as unraisable, in whatever code runs then). A read still running after
-  `_FINISH_S` seconds is cancelled.
+  When one of orbax's shard reads fails it closes its loop with the others still reading; they
+  would end later in the closed loop as unraisable errors.
   """
 
   def close(self) -> None:
@@ -109,8 +87,7 @@ def _quiet_absl() -> Iterator[None]:
 
 @contextlib.contextmanager
 def _manager(path: Path, *, read_only: bool) -> Iterator[ocp.CheckpointManager]:
-  """Orbax's manager of `path`, with no retention of its own (`prune` counts complete steps).
-  The event loops that orbax makes meanwhile (`asyncio.new_event_loop`) finish their reads."""
+  """Orbax's manager of `path`, no retention of its own; its event loops finish their reads."""
   with _quiet_absl():
     options = ocp.CheckpointManagerOptions(
         read_only=read_only, create=not read_only, enable_async_checkpointing=False,
@@ -165,11 +142,9 @@ def save(directory: str | os.PathLike, step: int, state: Any, config: dict, *,
          keep: int | None = None) -> Path:
   """Writes `state` (a TrainState, or any pytree of arrays) as `directory/step`; returns it.
 
-  `config` (JSON values) describes the run: whatever must match for a restore to make sense
-  (model name and shape, mode, compressor settings; `train_layout`). `keep`: once this step is
-  committed, delete all but the newest `keep` complete checkpoints (None keeps all). Steps only
-  go up: saving a step at or below the newest complete one raises a ValueError instead of
-  overwriting it. Every process of a multi-host job must call it.
+  `config` (JSON values) is what must match for a restore (`train_layout`). `keep`: once this
+  step is committed, delete all but the newest `keep` complete checkpoints (None keeps all).
+  Steps only go up: a step at or below the newest complete one is a ValueError.
   Example:
     >>> import tempfile
     >>> from loco_jax.train import checkpoint
@@ -257,12 +232,9 @@ def restore(directory: str | os.PathLike, state_like: Any, config: dict,
   """Reads checkpoint `step` (the newest complete one by default) into the layout of
   `state_like`.
 
-  `state_like` is a state of the same run (e.g. the fresh one from `init_train_state`, or its
-  `jax.ShapeDtypeStruct`s with shardings): the result has its tree, dtypes and shardings.
-  The checkpoint's files must be those `save` wrote (else a ValueError names the first that is
-  not), and it must have been saved with an equal `config`, the same device count, mesh and
-  tree; otherwise a ValueError lists every difference and nothing is read or changed. Every
-  process of a multi-host job must call it. Returns (state, step).
+  `state_like` is a state of the same run (a fresh one, or its `jax.ShapeDtypeStruct`s with
+  shardings): the result has its tree, dtypes and shardings. A ValueError lists every
+  difference of files, config, devices, mesh or tree, and nothing is read. Returns (state, step).
   Example:
     >>> import tempfile
     >>> from loco_jax.train import checkpoint

@@ -1,14 +1,10 @@
 """What a checkpoint records of its run (`meta/metadata`), and what a restore compares.
 
-The record: the caller's config, the device and process counts, the mesh the state lies on
-(axis names and sizes) and every leaf's shape, dtype and PartitionSpec, the last two read from
-the leaves' own NamedShardings. The arrays are stored as the global arrays they are, and what a
-global array means can depend on the mesh it was built on: zero2's master shards are cut per
-(data, model) block, LoCo's errors are one per device. Restored onto another mesh, the same
-global shapes would come back scrambled, so a restore proceeds only onto the same mesh and
-specs. What the arrays cannot show (which mesh axes are data and which model, the mode, how
-each param was split over the model axes: zero2's master shards have the same shapes and specs
-whether `w1` was split by rows or by columns) belongs in the config: `train_layout` gives it.
+The record: the caller's config, the device and process counts, the mesh (axis names and
+sizes) and every leaf's shape, dtype and PartitionSpec from its NamedSharding. A global array's
+meaning can depend on its mesh (zero2's master shards, LoCo's per-device errors), so a restore
+proceeds only onto the same mesh and specs. What the arrays cannot show (data and model axes,
+the mode, each param's model split) belongs in the config: `train_layout` gives it.
 """
 
 import json
@@ -190,12 +186,8 @@ def train_layout(mesh: Mesh, params: Any, *, mode: str, axis_name: AxisNames = "
   """What a train state's arrays do not show, as JSON for its checkpoint's config: the mode,
   the data and model axes, and each param's split over the model axes (its PartitionSpec).
 
-  Args:
-    mesh, params, mode, axis_name: as given to `parallel.init_train_state` (params placed with
-      their NamedShardings).
-  Returns:
-    {"mode", "data axes", "model axes", "params": {path: spec}}: put it in the config given to
-    `checkpoint.save` and `checkpoint.restore`, which then refuse a run laid out otherwise.
+  The arguments are those of `parallel.init_train_state`. Put the result in the config of
+  `checkpoint.save` and `checkpoint.restore`, which then refuse a run laid out otherwise.
   Example:
     >>> train_layout(parallel.data_mesh(), params, mode="zero2")
     {'mode': 'zero2', 'data axes': ['data'], 'model axes': [], 'params': {"['b']": [], "['w']": []}}

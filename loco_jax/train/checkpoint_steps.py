@@ -1,13 +1,11 @@
 """The step directories of a checkpoint directory: the commit marker that makes one complete,
 its files checked against the marker, and what a save removes.
 
-`DIRECTORY/STEP/` is complete once `STEP/loco_jax_commit.json` exists: written last, it lists
-every file of the step with its size and sha256. A directory named by a step number without
-it is either an interrupted save of this module (orbax committed it, with this module's
-metadata `meta/metadata`, but the marker was never written) or a stray; orbax's own unfinished
-steps are `STEP.orbax-checkpoint-tmp-*`. Markers and metadata come from disk and are not
-trusted: they are read with bounded size and nesting, and every path a marker lists stays
-inside its step directory.
+`DIRECTORY/STEP/` is complete once its marker `loco_jax_commit.json`, written last, lists every
+file of the step with its size and sha256. A numbered directory without it is an interrupted
+save of this module (orbax committed it, the marker was never written) or a stray; orbax's own
+unfinished steps are `STEP.orbax-checkpoint-tmp-*`. Markers and metadata are not trusted:
+bounded reads, and every listed path stays inside its step directory.
 """
 
 import json

@@ -61,8 +61,6 @@ def save_figure_atomic(fig: Any, path: str | os.PathLike) -> None:
   write_atomic(path, buffer.getvalue())
 
 
-# --- A set of files replaced as one ---------------------------------------------------------------
-
 @contextlib.contextmanager
 def _sigint_deferred() -> Iterator[None]:
   """Holds back SIGINT (Ctrl-C) until the block ends, so that it cannot fall between renames."""
@@ -89,11 +87,9 @@ def replace_folder(staging: str | os.PathLike, target: str | os.PathLike) -> Non
   """Puts the folder `staging` in the place of `target` (absent, or a folder); both must have
   the same parent folder.
 
-  Readers see the previous set of files or the new one, never a mix: a missing or empty
-  `target` is replaced by one rename; a full one is first renamed aside (`.NAME.old-XXXX`),
-  then removed once the new set is in place, with Ctrl-C held back from the first rename to
-  the removal (a hard kill between the renames leaves the previous set whole in
-  `.NAME.old-XXXX`).
+  Readers see the previous set of files or the new one, never a mix: a full `target` is first
+  renamed aside (`.NAME.old-XXXX`, where a hard kill leaves it whole) and removed once the new
+  set is in place, with Ctrl-C held back in between.
   Example:
     >>> import tempfile
     >>> target = Path(tempfile.mkdtemp()) / "out"
@@ -126,8 +122,6 @@ def replace_folder(staging: str | os.PathLike, target: str | os.PathLike) -> Non
     raise
 
 
-# --- Untrusted JSON ------------------------------------------------------------------------------
-
 # A JSON string up to its closing quote, or to the end of the text if it has none: every quote
 # starts a match, so the scan stays linear on hostile input.
 _JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"?', re.DOTALL)
@@ -149,17 +143,10 @@ def json_depth(data: bytes) -> int:
 
 def read_json(path: str | os.PathLike, what: str, max_bytes: int,
               max_depth: int = MAX_JSON_DEPTH) -> Any:
-  """The JSON document in `path`, a file that is not trusted.
+  """The JSON document in `path`, a file that is not trusted; `what` names it in errors.
 
-  Args:
-    path: the file.
-    what: what it holds, for the error messages ("commit marker").
-    max_bytes: the largest file accepted.
-    max_depth: the deepest nesting of arrays and objects accepted.
-  Returns:
-    The parsed document. A file that is missing, not a regular file (a folder, a symbolic link,
-    a device), larger than `max_bytes`, nested deeper than `max_depth` or not UTF-8 JSON is a
-    ValueError naming it, read no further than `max_bytes` + 1 bytes.
+  A file that is missing, not a regular file, larger than `max_bytes`, nested deeper than
+  `max_depth` or not UTF-8 JSON is a ValueError; at most `max_bytes` + 1 bytes are read.
   Example:
     >>> import tempfile
     >>> path = Path(tempfile.mkdtemp()) / "deep.json"
@@ -193,8 +180,6 @@ def read_json(path: str | os.PathLike, what: str, max_bytes: int,
   except ValueError as e:  # bytes that are not UTF-8 JSON
     raise ValueError(f"{path}: the {what} is not JSON ({e})") from None
 
-
-# --- Digests --------------------------------------------------------------------------------------
 
 def _sha256(path: Path) -> str:
   digest = hashlib.sha256()
@@ -257,12 +242,10 @@ def _regular_files(folder: Path) -> dict[str, os.stat_result]:
 def check_digests(folder: str | os.PathLike, expected: dict[str, list],
                   exclude: tuple[str, ...] = ()) -> None:
   """Raises a ValueError naming the first file under `folder` that differs from `expected`
-  (`digests` of the folder as it was written): missing, not a file, another size, other
-  bytes, or a file that was not there.
+  (`digests` as written): missing, not a file, another size or bytes, or a stray file.
 
-  `expected` may come from anywhere: a path in it that is not a plain relative path inside
-  `folder` ('..', absolute) is an error, as is a symbolic link anywhere under `folder`; only
-  regular files inside it are read.
+  `expected` is not trusted: a path in it outside `folder` is an error, as is a symbolic link
+  under `folder`; only regular files inside it are read.
   Example:
     >>> import tempfile
     >>> folder = Path(tempfile.mkdtemp())

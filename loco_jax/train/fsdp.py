@@ -1,25 +1,18 @@
 """FSDP (ZeRO-3): parameters gathered layer by layer, each layer's gradient sent as it exists.
 
-The model is a `LayeredModel`: `embed`, one `block` applied to a stack of identical layers
-(their params stacked on a leading layer axis), and `head`, which returns the loss. Master
-params and the optimizer state live on per-device float32 shards (as in ZeRO-2: each leaf,
-and each layer of a stacked leaf, flattened and split into `layout.shard_len` pieces). A step:
+The model is a `LayeredModel`: `embed`, one `block` scanned over a stack of identical layers
+(params stacked on a leading axis) and `head`, which returns the loss. Master params and the
+optimizer state live on per-device float32 shards, as in ZeRO-2. A step:
 
-  forward   gather embed's params, run embed; scan over layers: gather layer l's params in
-            the compute dtype (or int8 with block scales), run the block, keep only its input
-  backward  head's gradient -> compressor; a reverse scan: re-gather layer l's params, vjp of
-            the block (it is recomputed), layer l's gradient -> the compressor with that
-            layer's own state (LoCo's int8 error) -> this device's averaged shard; then embed
+  forward   gather embed's params; scan: gather layer l's params (compute dtype or int8), run it
+  backward  head's gradient -> compressor; a reverse scan re-gathers each layer, recomputes its
+            vjp and sends its gradient through the compressor with its own state; then embed
   update    the optimizer on the global master shards, under GSPMD (as zero2's)
 
-so a device holds 1/N of the params, gradients and optimizer state plus about one layer in
-full, its activations at layer boundaries, and the compressor's state (LoCo: an int8 error of
-the full gradient, 1 byte a parameter). The compressor must have reduce-scatter semantics:
-`loco(axis_name=..., scatter=True)` or `parallel.reduce_scatter(...)`. Models that are not
-stacks use `whole_model(loss_fn)`: every leaf is gathered at once (ZeRO-2's parameter memory,
-FSDP's state). Entry points: `parallel.init_train_state` / `make_train_step` with mode="fsdp".
-Callable optax masks see the full-shaped `Layered` params, stacked: a stacked bias is 2-D, so
-select leaves by name there rather than by ndim.
+A device holds 1/N of the params, gradients and optimizer state, about one layer in full and
+the compressor's state. The compressor must reduce-scatter: `loco(axis_name=..., scatter=True)`
+or `parallel.reduce_scatter(...)`. Models that are not stacks use `whole_model(loss_fn)`.
+Callable optax masks see the stacked `Layered` params: select leaves by name, not by ndim.
 """
 
 import math
@@ -56,9 +49,8 @@ class LayeredModel(NamedTuple):
 
 
 def whole_model(loss_fn: Callable[[Any, Any], jax.Array]) -> LayeredModel:
-  """The fallback for a model that is not a stack: `loss_fn(params, batch)` as a head alone,
-  with params `Layered({}, {}, params)`. Every leaf is gathered at once, once for the forward
-  and once for the backward pass.
+  """A model that is not a stack: `loss_fn(params, batch)` as a head alone, with params
+  `Layered({}, {}, params)`; every leaf is gathered at once.
 
   Example:
     >>> model = whole_model(lambda p, b: jnp.mean((b @ p["w"] + p["b"]) ** 2))
@@ -106,7 +98,6 @@ def layered_loss(model: LayeredModel) -> Callable[[Layered, Any], jax.Array]:
   return loss
 
 
-
 def unstacked(params: Layered,
               model: LayeredModel) -> tuple[dict, Callable[[dict, Any], jax.Array]]:
   """The same model for ddp / zero2 with every layer its own leaves, so that each layer's
@@ -121,6 +112,7 @@ def unstacked(params: Layered,
       x = model.block(layer, x)
     return model.head(params["head"], x, batch)
   return params, loss
+
 
 def _one_layer(blocks):
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x)[1:], jnp.result_type(x)),
@@ -171,25 +163,14 @@ def unshard_params(master: Layered, like: Layered) -> Layered:
                  shards.unshard_params(master.head, like.head))
 
 
-def _per_layer(spec: P) -> P:
-  """A per-layer state's spec, for the state stacked on a leading layer axis."""
-  return P(None, *spec)
-
-
-def _init_stack(compressor, blocks):
-  """The compressor's state of every layer, stacked on a leading layer axis."""
-  if not jax.tree.leaves(blocks):
-    return compressor.init(blocks)
-  return jax.vmap(compressor.init)(blocks)
-
-
 def _compressor_specs(compressor: optax.GradientTransformation, params: Layered, mesh: Mesh,
                       axis_name: str) -> Layered:
   """Specs of the compressor's state of embed, of each layer (stacked) and of head."""
   layer_specs = opt_state_specs(compressor, _one_layer(params.blocks), mesh, axis_name)
   return Layered(
       opt_state_specs(compressor, params.embed, mesh, axis_name),
-      jax.tree.map(_per_layer, layer_specs) if jax.tree.leaves(params.blocks) else layer_specs,
+      jax.tree.map(lambda s: P(None, *s), layer_specs) if jax.tree.leaves(params.blocks)
+      else layer_specs,  # stacked on a leading layer axis
       opt_state_specs(compressor, params.head, mesh, axis_name))
 
 
@@ -214,9 +195,9 @@ def init(setup: Setup, params: Layered) -> tuple[TrainState, TrainState]:
   master = shard_params(params, setup.mesh, setup.axes.name)
   opt_init = masks.on_full_shapes(setup.optimizer.init, setup.params)
 
-  def compressor_init(full: Layered):
-    return Layered(compressor.init(full.embed), _init_stack(compressor, full.blocks),
-                   compressor.init(full.head))
+  def compressor_init(full: Layered):  # every layer's state stacked on a leading axis
+    stack = jax.vmap(compressor.init) if jax.tree.leaves(full.blocks) else compressor.init
+    return Layered(compressor.init(full.embed), stack(full.blocks), compressor.init(full.head))
 
   def init_fn(full: Layered, master: Layered):
     return TrainState(master, steps.over_data(compressor_init, setup, (P(),),

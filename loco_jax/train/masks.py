@@ -1,11 +1,9 @@
 """Callable optax masks under ZeRO-2: evaluated on the full-shaped params, not on flat shards.
 
-optax evaluates a callable mask (`optax.adamw(mask=...)`, `optax.masked`) or label function
-(`optax.multi_transform`) on the tree it is given. ZeRO-2 gives the optimizer flat 1-D master
-shards, so `lambda p: jax.tree.map(lambda x: x.ndim > 1, p)` would see no matrix and turn weight
-decay off everywhere. `evaluate_on_full_shapes` wraps every such callable in the optimizer so
-that, inside `full_shapes(like)`, it is evaluated on `like` (the full-shaped params) and its
-result, a tree of the same structure, applies leaf by leaf to the shards.
+ZeRO-2 gives the optimizer flat 1-D master shards, so a mask such as `lambda p: jax.tree.map(
+lambda x: x.ndim > 1, p)` would see no matrix. `evaluate_on_full_shapes` wraps every callable
+mask or label function in the optimizer so that, inside `full_shapes(like)`, it is evaluated
+on `like` (the full-shaped params) and its result applies leaf by leaf to the shards.
 """
 
 import contextlib

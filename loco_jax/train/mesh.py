@@ -102,12 +102,9 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
   on TPU pods, Slurm and Open MPI jax finds them itself). Call it before anything else touches
   jax devices. On CPU it selects `cpu_collectives` ("gloo") so that collectives cross processes.
 
-  Gloo binds to the address this machine's hostname resolves to; on a multi-homed host pass
-  `gloo_hostname` (this host's address on the training network, e.g. "10.0.0.2") or
-  `gloo_interface` (e.g. "eth1") to bind it there instead (or the environment's
-  LOCO_JAX_GLOO_HOSTNAME / LOCO_JAX_GLOO_INTERFACE). jax itself does not pass these on to
-  jaxlib's `make_gloo_tcp_collectives`, so this registers a CPU backend factory that does; it
-  must run before the CPU backend exists (a RuntimeError says so otherwise).
+  On a multi-homed host, `gloo_hostname` (e.g. "10.0.0.2") or `gloo_interface` (e.g. "eth1"),
+  or LOCO_JAX_GLOO_HOSTNAME / LOCO_JAX_GLOO_INTERFACE, bind gloo there: this registers a CPU
+  backend factory that passes them on, before the CPU backend exists (else a RuntimeError).
 
   Example:
     >>> initialize("10.0.0.1:1234", num_processes=2, process_id=0,  # doctest: +SKIP

@@ -1,12 +1,10 @@
 """Sharded train steps: `init_train_state` and `make_train_step` resolve their arguments once
 (`setup`) and hand the `Setup` to the mode's module (train/ddp.py, zero2.py, fsdp.py).
 
-Each step is a `jax.shard_map` manual over the data axes. Parameters split over other mesh axes
-(a (data, model) mesh; `NamedSharding` over 'model') keep that sharding: GSPMD runs the model
-over them, and the compressor, told the params' specs (`core.local_blocks`), runs in a nested
-shard_map over them, so each device compresses and sends its own model shard. Meshes, the
-train state, an optimizer state for a shard_map of your own, and the master shards' gathers are
-re-exported here from train/mesh.py, state.py and shards.py.
+Each step is a `jax.shard_map` manual over the data axes. Params split over other mesh axes keep
+that sharding: GSPMD runs the model over them, and the compressor, told the params' specs
+(`core.local_blocks`), compresses each device's own model shard. Meshes, states and the master
+shards' gathers are re-exported from train/mesh.py, state.py and shards.py.
 """
 
 from typing import Any, Callable
@@ -98,24 +96,17 @@ def init_train_state(params, optimizer: optax.GradientTransformation, mesh: Mesh
   """A TrainState on the mesh and its PartitionSpecs (full specs on the mesh).
 
   Args:
-    params: the params; on a mesh with model axes placed with NamedShardings over them (e.g.
-      P(None, "model")), which they keep. mode="fsdp": an `fsdp.Layered`.
-    optimizer: any optax optimizer. Its callable masks (adamw's `mask`, `optax.masked`,
-      multi_transform labels) see the full-shaped params in every mode.
-    mesh: the mesh.
+    params: the params, placed with NamedShardings over the model axes (which they keep), or
+      plain. mode="fsdp": an `fsdp.Layered`.
+    optimizer: any optax optimizer; its callable masks see the full-shaped params.
     compressor: averages the gradient over the data axes (e.g. `loco(axis_name="data")`);
-      zero2 and fsdp need reduce-scatter semantics (`loco(..., scatter=True)`,
-      `reduce_scatter(...)`). ddp on a mesh of data axes alone may leave it None and average
-      in the optimizer.
-    mode: "ddp" (train/ddp.py), "zero2" (train/zero2.py) or "fsdp" (train/fsdp.py).
-    axis_name: the data axes, one or a tuple (two_hop's ("node", "local")); every other mesh
-      axis is a model axis.
+      zero2 and fsdp need reduce-scatter semantics (`loco(..., scatter=True)`); ddp on data
+      axes alone may leave it None and average in the optimizer.
+    mode: "ddp", "zero2" or "fsdp" (train/ddp.py, zero2.py, fsdp.py).
+    axis_name: the data axes, one or a tuple; every other mesh axis is a model axis.
 
   Returns:
-    (state, specs): ddp keeps params as given and the optimizer state split like them; zero2
-    and fsdp keep float32 master shards (of each device's model block) and the optimizer state
-    on them, about 1/N of ddp's a device. The compressor's per-device state is split over the
-    data axes and the leaf's model axes: each device compresses its own model shard.
+    (state, specs). zero2 and fsdp keep float32 master shards and the optimizer state on them.
   """
   return _MODULES[mode].init(setup(params, optimizer, mesh, compressor=compressor, mode=mode,
                                     axis_name=axis_name), params)
@@ -153,19 +144,16 @@ def make_train_step(loss_fn: Callable[[Any, Any], jax.Array],
   """A jitted `step(state, batch) -> (state, mean loss)` for `loss_fn(params, batch)`.
 
   Args:
-    loss_fn: `loss_fn(params, batch) -> scalar`, run under GSPMD over the model axes on params
-      split as `params_like`'s NamedShardings say. mode="fsdp": an `fsdp.LayeredModel`.
+    loss_fn: `loss_fn(params, batch) -> scalar`, run under GSPMD over the model axes.
+      mode="fsdp": an `fsdp.LayeredModel`.
     optimizer, mesh, compressor, mode, axis_name: as given to `init_train_state`.
-    params_like: the params given to `init_train_state` (or their shapes), placed alike: the
-      step's specs are resolved from them as `init_train_state` resolves its own.
-    compute_dtype: the float dtype the model computes in (ddp casts its params to it; zero2
-      and fsdp gather them in it).
-    param_gather: zero2 and fsdp: "compute" (gather in `compute_dtype`) or "int8" (int8 with
-      absmax blocks of `block_size`, default 2048, ZeRO++ qwZ style).
-    block_size: param_gather="int8"'s blocks.
+    params_like: the params given to `init_train_state` (or their shapes), placed alike.
+    compute_dtype: the float dtype the model computes in.
+    param_gather: zero2 and fsdp: "compute" (gather in `compute_dtype`) or "int8" (absmax
+      blocks of `block_size`, default 2048, ZeRO++ qwZ style).
 
   Returns:
-    The step. The batch's leading axis is split over the data axes; `step.jitted` is the
+    The step; the batch's leading axis is split over the data axes. `step.jitted` is the
     jitted function, for lowering: `comm.lowered_collectives(step.jitted, state, batch)`.
 
   Example:

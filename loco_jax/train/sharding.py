@@ -1,11 +1,9 @@
 """PartitionSpecs of train states: data axes averaged over by hand, model axes left to GSPMD.
 
-A train step is manual (`jax.shard_map`) over the data axes only. Parameters keep the model
-sharding the user gave them (`NamedSharding` over the other axes); a compressor runs in a nested
-shard_map over the model axes (`core.local_blocks`, told the params' specs), so each device
-compresses its own model shard, and its per-device state is split over the data axes and over
-the model axes of the leaf it belongs to. Every spec here is a full spec on the mesh;
-`local_blocks.restrict` keeps the part one shard_map declares.
+A train step is manual over the data axes only; params keep the model sharding the user gave
+them, and a compressor's per-device state is split over the data axes and the model axes of its
+leaf (`core.local_blocks`). Every spec here is a full spec on the mesh; `local_blocks.restrict`
+keeps the part one shard_map declares.
 """
 
 from typing import Any, Callable
@@ -70,13 +68,10 @@ def shapes_of(params: Any) -> Any:
 
 def device_state_shapes(init: Callable, params: Any, mesh: Mesh, data: tuple[str, ...],
                        specs: Any = None):
-  """`init(params)`'s shapes on one device, and its data specs (`state_specs` splits the fields
-  that differ per device over the data axes).
+  """`init(params)`'s shapes on one device, and its specs over the data axes (`state_specs`).
 
-  init runs in a shard_map manual over the data axes, so it can ask their size. With `specs`
-  (the full-shaped params' specs) it is manual over the model axes too: init then sees each
-  device's own blocks, as the train step's nested shard_map gives them, and LoCo's state is
-  per group of leaves, split over 'model' or not.
+  init runs in a shard_map manual over the data axes; with `specs` (the full-shaped params')
+  over the model axes too, so that it sees each device's own blocks as the train step does.
   """
   axes = data if specs is None else tuple(mesh.axis_names)
   in_specs = P() if specs is None else local_blocks.restrict(specs, axes)
@@ -120,21 +115,9 @@ def _combine(model_spec: P, leaf_data: tuple[str, ...]) -> P:
 
 def local_state_specs(init: Callable, params: Any, specs: Any, mesh: Mesh,
                       data: tuple[str, ...]) -> Any:
-  """Full specs of the state `init` makes where a train step runs it: in a shard_map manual over
-  the data axes, told the params' `specs` (`local_blocks.told_specs`).
-
-  Args:
-    init: a transformation's init.
-    params: the full-shaped params (arrays or ShapeDtypeStructs).
-    specs: the params' full specs on the mesh.
-    mesh: the train step's mesh.
-    data: the data axes.
-
-  Returns:
-    Per device over the data axes: the fields `state_specs` names (LoCo's errors). Over the
-    model axes: as `local_blocks` lays the state out on each device's own blocks
-    (`local_blocks.state_specs_on_blocks`). Both on dimension 0.
-  """
+  """Full specs of the state `init` makes in a train step: in a shard_map manual over the data
+  axes, told the full-shaped params' `specs`. The fields `state_specs` names are split over the
+  data axes, and over the model axes as `local_blocks.state_specs_on_blocks` says, on dim 0."""
   like = shapes_of(params)
   shapes, data_specs = device_state_shapes(init, like, mesh, data, specs)
   with jax.sharding.use_abstract_mesh(mesh_lib.auto_mesh(mesh).abstract_mesh):
@@ -148,22 +131,10 @@ def local_state_specs(init: Callable, params: Any, specs: Any, mesh: Mesh,
 
 def gspmd_state_specs(init: Callable, params: Any, specs: Any, mesh: Mesh,
                       data: tuple[str, ...], *, per_device: bool = False) -> Any:
-  """Full specs of an optimizer state that GSPMD updates: ddp's after the average, zero2's and
-  fsdp's on the global master shards.
-
-  Args:
-    init: the optimizer's init.
-    params: what init is given (the full params, or the global master shards' shapes).
-    specs: their full specs on the mesh.
-    mesh: the train step's mesh.
-    data: the data axes.
-    per_device: whether fields that differ per device (a compressor inside the optimizer) are
-      allowed: ddp on a mesh of data axes only, where the optimizer averages.
-
-  Returns:
-    A leaf shaped like its param is split like it (adam's mu); a per-device field over the data
-    axes; the rest replicated.
-  """
+  """Full specs of an optimizer state that GSPMD updates on `params` split as `specs`: ddp's
+  after the average, zero2's and fsdp's on the global master shards. A leaf shaped like its
+  param is split like it (adam's mu), the rest replicated. `per_device`: fields that differ per
+  device (a compressor inside the optimizer) are allowed, split over the data axes."""
   shapes, data_specs = device_state_shapes(init, shapes_of(params), mesh, data)
   shape_leaves, state_def = jax.tree.flatten(shapes)
   data_leaves = state_def.flatten_up_to(data_specs)

@@ -101,14 +101,8 @@ def gather_params(shards: Any, like: Any, axis_name: layout.AxisName,
                   gather: ParamGather) -> Any:
   """Master shards -> full params in the compute dtype; inside a shard_map over `axis_name`.
 
-  Args:
-    shards: this device's float32 master shard of every leaf.
-    like: the full leaves' shapes (this device's model blocks on a mesh with model axes).
-    axis_name: the data axes the shards are split over.
-    gather: the compute dtype, and whether the shards cross as int8 with block scales.
-
-  Returns:
-    Every leaf of `like`, whole, in `gather.dtype`.
+  `like`: the full leaves' shapes (this device's model blocks); `gather`: the compute dtype
+  and whether the shards cross as int8 with block scales. Returns every leaf of `like`, whole.
   """
   leaves, treedef = jax.tree.flatten(like)
   local = treedef.flatten_up_to(shards)
@@ -130,9 +124,8 @@ def gather_params(shards: Any, like: Any, axis_name: layout.AxisName,
 def reduce_scatter(axis_name: layout.AxisName = "data") -> optax.GradientTransformation:
   """Plain ZeRO-2 gradient averaging: a float32 reduce-scatter per leaf -> this device's shard.
 
-  The uncompressed comparator of `loco(axis_name=..., scatter=True)`; same shard layout. Its
-  reduce-scatter is `wire.reduce_scatter` (on gloo an all-to-all and a local sum: gloo's own
-  algorithm sends more than each peer's row).
+  The uncompressed comparator of `loco(axis_name=..., scatter=True)`, with its shard layout,
+  over `wire.reduce_scatter`.
 
   Example:
     >>> opt = reduce_scatter("data")   # then parallel.make_train_step(..., mode="zero2")

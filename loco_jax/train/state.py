@@ -44,16 +44,8 @@ def opt_state_specs(optimizer: optax.GradientTransformation, params: Any, mesh: 
                     axis_name: mesh_lib.AxisNames = "data") -> Any:
   """PartitionSpecs of `optimizer.init(params)` in a shard_map manual over the data axes.
 
-  Args:
-    optimizer: the transformation, e.g. `optax.chain(loco(axis_name="data"), optax.adamw(...))`.
-    params: the params, plain or placed with NamedShardings over the mesh's model axes.
-    mesh: the mesh.
-    axis_name: the data axes (one mesh axis or a tuple).
-
-  Returns:
-    Specs over the data axes: LoCo's errors (the fields `state_specs` names) split over them,
-    the rest replicated. On a mesh with model axes the state is that of a transformation built
-    with `specs=`, or told the params' NamedShardings: LoCo's buckets per group of leaves.
+  The fields `state_specs` names (LoCo's errors) are split over the data axes, the rest
+  replicated; with model axes, as `init_opt_state` lays the state out.
   """
   data = mesh_lib.data_axes(mesh, axis_name)
   init = local_blocks.told_specs(optimizer.init, sharding.param_specs(params, mesh, data))
@@ -64,18 +56,11 @@ def init_opt_state(optimizer: optax.GradientTransformation, params: Any, mesh: M
                    axis_name: mesh_lib.AxisNames = "data") -> tuple[Any, Any]:
   """Runs `optimizer.init` on every device of the mesh, for a shard_map of your own.
 
-  Args:
-    optimizer: the transformation.
-    params: the params, plain or placed with NamedShardings over the mesh's model axes.
-    mesh: the mesh; axes other than `axis_name` are model axes, left to the compiler.
-    axis_name: the data axes (one mesh axis or a tuple).
-
-  Returns:
-    (state, specs): the state on the mesh, and its specs over the data axes, for the
-    in_specs and out_specs of a `jax.shard_map` manual over them (`axis_names=`). Where the
-    params are split over model axes the state is kept for each device's own blocks: build the
-    transformation with `specs=` (the params' PartitionSpecs), or update it under
-    `loco_jax.core.local_blocks.leaf_specs(specs)`, so that the update does the same.
+  `params` may be placed with NamedShardings over the mesh's model axes (those not in
+  `axis_name`). Returns (state, specs): the state on the mesh and its specs over the data axes,
+  for a `jax.shard_map` manual over them. Over model axes the state is kept per device's own
+  blocks: build the transformation with `specs=` (the params' PartitionSpecs), or update it
+  under `loco_jax.core.local_blocks.leaf_specs(specs)`.
 
   Example:
     >>> opt = optax.chain(loco_jax.loco(axis_name="data"), optax.adamw(1e-3))

@@ -30,14 +30,8 @@ def loss_and_grads(loss_fn: Callable, params: Any, batch: Any,
                    setup: Setup) -> tuple[jax.Array, Any]:
   """`loss_fn`'s value and gradient on this device's batch, inside `over_data`.
 
-  Args:
-    loss_fn: `loss_fn(params, batch) -> scalar`, run under GSPMD over the model axes.
-    params: the full params (global over the model axes).
-    batch: this device's batch.
-    setup: the step's setup; its mesh's Explicit model axes are Explicit again for `loss_fn`.
-
-  Returns:
-    (loss, grads): this device's own, not averaged.
+  `loss_fn` runs under GSPMD over the model axes (Explicit ones Explicit again) on the full
+  params. Returns (loss, grads): this device's own, not averaged.
   """
   # Replicated params would make jax.grad psum the gradient in full precision (the transpose of
   # the implicit broadcast); marked varying, each device keeps its own gradient.

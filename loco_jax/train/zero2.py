@@ -1,12 +1,9 @@
 """ZeRO-2: float32 master shards of the params and the optimizer state on them (1/N a device).
 
-A step gathers the params from the shards (`shards.gather_params`: the compute dtype, or int8
-with block scales), takes this device's gradient, and hands it to a compressor with
-reduce-scatter semantics (`loco(axis_name=..., scatter=True)`, `shards.reduce_scatter`), which
-returns this device's shard of the averaged gradient. The optimizer then updates the global
-master shards under GSPMD, so that what it computes over the whole gradient (a global norm,
-`optax.apply_if_finite`'s finiteness) is the same on every device. On a mesh with model axes
-each device shards its own model block.
+A step gathers the params from the shards (`shards.gather_params`), takes this device's
+gradient and hands it to a compressor with reduce-scatter semantics (`loco(..., scatter=True)`,
+`shards.reduce_scatter`), which returns this device's shard of the averaged gradient. The
+optimizer updates the global master shards under GSPMD, so a global norm is the same everywhere.
 """
 
 from typing import Any, Callable

@@ -1,12 +1,9 @@
 """Comparators for LoCo: fp32 and bf16 all-reduce, int4 without feedback, EF, EF21, sign, top-k.
 
-For the error-feedback baselines (error_feedback, sign_ef, topk_ef, ef21): with an axis, create
-the state inside `jax.shard_map` and declare it with
-`loco_jax.state_specs` (or use `parallel.init_opt_state`): the error differs per device.
-A non-finite gradient (on any device of the axis) makes every output NaN and leaves the
-state unchanged; finite ones give finite outputs and errors (h = g + e, the means and the
-casts saturate at the largest finite value). Non-float and zero-size leaves pass through;
-dtypes are kept.
+The error-feedback baselines keep a per-device error: with an axis, create their state inside
+`jax.shard_map` and declare it with `loco_jax.state_specs`. A non-finite gradient on any device
+makes every output NaN and keeps the state; finite ones give finite outputs and errors (sums,
+means and casts saturate). Non-float and zero-size leaves pass through; dtypes are kept.
 """
 
 from typing import Any, NamedTuple
@@ -32,8 +29,6 @@ class EF21State(NamedTuple):
   estimate: optax.Updates   # float32 [size] per leaf: g, the output, the same on every device
 
 
-# --- Argument checks ----------------------------------------------------------------------------
-
 def _check_fraction(fraction: float) -> None:
   try:
     value = float(fraction)
@@ -42,8 +37,6 @@ def _check_fraction(fraction: float) -> None:
                      f"sent, a shape), got {fraction!r}{args.STATIC_HINT}") from None
   args.check_fraction(value, "fraction", 0.0, 1.0, closed_low=False)
 
-
-# --- One update's leaves ------------------------------------------------------------------------
 
 def _flat_zeros(params: Any) -> Any:
   return jax.tree.map(
@@ -65,8 +58,6 @@ def _feedback_finish(grads: leaves.Leaves, average_group, fields: list) -> tuple
   done = grads.finish(mapped, grads.by_leaf(mapped.states, old), old)
   return done.update, done.state
 
-
-# --- The transformations ------------------------------------------------------------------------
 
 def _saturating_cast_keeping_inf(x: jax.Array, dtype) -> jax.Array:
   """x as `dtype`, finite values beyond its range saturating; +-inf and NaN stay as they are."""
@@ -101,11 +92,9 @@ def _all_reduce(wire_dtype, axis_name: AxisName | None,
 def uncompressed(axis_name: AxisName | None = None) -> optax.GradientTransformationExtraArgs:
   """The mean of the gradients over `axis_name` in float32 (`jax.lax.pmean`, a ring all-reduce).
 
-  Without an axis it is the identity. Non-float and zero-size leaves pass through; the output
-  keeps each gradient's dtype (float16 and bfloat16 gradients are averaged in float32). There
-  is no state: a non-finite gradient stays non-finite in its leaf of the output. Finite ones give
-  finite outputs: the mean is that of g / 2**k, times 2**k (exact; no overflow near the float32
-  maximum), and a cast back to a 16-bit leaf saturates at its largest finite value.
+  Without an axis it is the identity. Each output keeps its gradient's dtype. A non-finite
+  gradient stays non-finite in its leaf; finite ones give finite outputs (the mean of g / 2**k,
+  times 2**k, cannot overflow; casts saturate).
 
   Example:
     >>> opt = optax.chain(uncompressed(), optax.adamw(3e-4))
@@ -119,12 +108,8 @@ def bf16(axis_name: AxisName | None = None) -> optax.GradientTransformationExtra
   """Gradients cast to bfloat16, averaged over `axis_name` in bfloat16, cast back to their dtype.
 
   Without an axis it rounds every float gradient to bfloat16 (PyTorch DDP's bf16 hook). With
-  one, a bf16 all-reduce where the backend moves bf16 as is (GPU, TPU); on CPU, whose
-  collectives would widen it to 32 bits, the same 16 bits a value as uint16 all-to-all, float32
-  sum and uint16 all-gather (`comm.mean_16bit`; the HLO accounting shows which ran). Finite
-  gradients beyond bfloat16's range (or means beyond a float16 leaf's) saturate at the largest
-  finite value instead of becoming inf, and the mean is that of g / 2**k, times 2**k (no
-  overflow); non-finite gradients stay non-finite.
+  one, 16 bits a value cross on every backend (`comm.mean_16bit`). Finite values saturate, as in
+  `uncompressed`; non-finite gradients stay non-finite.
 
   Example:
     >>> opt = optax.chain(bf16(), optax.adamw(3e-4))  # or axis_name="data"
@@ -140,15 +125,11 @@ def int_quantized(bits: int = 4, block_size: int = 2048,
                   clip_rms: float | None = None) -> optax.GradientTransformationExtraArgs:
   """Absmax block quantization to `bits` without error feedback (like ZeRO++ qgZ).
 
-  The leaves are cut into blocks of at most `block_size` elements as `loco`'s buckets cut them,
-  with one float32 scale each, s = (2**(bits-1) - 1) / max|g|; d = round(s * g) / s: LoCo's
-  fused step from a zero error, as `loco(beta=1.0)`. With an axis the output is the mean of
-  every device's d over LoCo's wire: one all-to-all of packed codes and scales, a float32
-  average of this device's shard, and a bfloat16 all-gather (bits + 16 bits a parameter). A
-  non-finite gradient (on any device) makes every output NaN; finite ones give finite outputs (q / s, the mean and the casts saturate at
-  the largest finite value, as in `loco`). Non-float and zero-size leaves pass through; dtypes
-  are kept. `scale_method="rms"` with `clip_rms` uses loco's clipped-rms block scale instead
-  (`quant.rms_scale`); the default stays absmax at every width (the classic comparator).
+  Blocks of at most `block_size` elements as `loco`'s buckets cut them, one float32 scale each,
+  s = (2**(bits-1) - 1) / max|g|; d = round(s * g) / s: `loco(beta=1.0)`'s step. With an axis
+  the output is the mean of every device's d over LoCo's wire (bits + 16 bits a parameter).
+  `scale_method="rms"` with `clip_rms` uses loco's clipped-rms block scale (`quant.rms_scale`).
+  Non-finite gradients: as the module docstring says.
 
   Example:
     >>> opt = optax.chain(int_quantized(bits=4), optax.adamw(3e-4))
@@ -165,10 +146,15 @@ def int_quantized(bits: int = 4, block_size: int = 2048,
     grads = leaves.split(updates, axis_name)
     return (_feedback_finish(grads, average_group, [])[0] if grads.sent else updates), state
 
+  return _on_local_blocks(lambda params: optax.EmptyState(), update_fn, axis_name, specs,
+                          "int_quantized")
+
+
+def _on_local_blocks(init_fn, update_fn, axis_name, specs,
+                     name: str) -> optax.GradientTransformationExtraArgs:
   return optax.GradientTransformationExtraArgs(
-      local_blocks.local_init(lambda params: optax.EmptyState(), axis_name, specs,
-                              "int_quantized"),
-      local_blocks.local_update(update_fn, axis_name, specs, name="int_quantized"))
+      local_blocks.local_init(init_fn, axis_name, specs, name),
+      local_blocks.local_update(update_fn, axis_name, specs, name=name))
 
 
 def _feedback(codec: baseline_codecs.Codec, axis_name: AxisName | None, name: str,
@@ -188,17 +174,21 @@ def _feedback(codec: baseline_codecs.Codec, axis_name: AxisName | None, name: st
                   for h, d, e in zip(hs, decoded, errors)]
     return means, [new_errors], flags
 
+  return _stateful(init_fn, average_group, axis_name, specs, name)
+
+
+def _stateful(init_fn, average_group, axis_name: AxisName | None, specs: Any,
+              name: str) -> optax.GradientTransformationExtraArgs:
+  """A transformation whose state's fields are per-leaf fields of `average_group`."""
   def update_fn(updates, state):
     trees.check_state_matches(name, updates, state, init_fn(updates))
     grads = leaves.split(updates, axis_name)
     if not grads.sent:
       return updates, state
-    update, (errors,) = _feedback_finish(grads, average_group, [state.error])
-    return update, ErrorFeedbackState(grads.tree(errors))
+    update, fields = _feedback_finish(grads, average_group, list(state))
+    return update, type(state)(*map(grads.tree, fields))
 
-  return optax.GradientTransformationExtraArgs(
-      local_blocks.local_init(init_fn, axis_name, specs, name),
-      local_blocks.local_update(update_fn, axis_name, specs, name=name))
+  return _on_local_blocks(init_fn, update_fn, axis_name, specs, name)
 
 
 def error_feedback(bits: int = 4, block_size: int = 2048,
@@ -208,16 +198,9 @@ def error_feedback(bits: int = 4, block_size: int = 2048,
                    beta: float = 0.0) -> optax.GradientTransformationExtraArgs:
   """Classic error feedback (Seide et al. 2014) around `int_quantized`, error in float32.
 
-  h = g + e; d = Q(h) (absmax blocks of about `block_size`, `bits` bits); e' = h - d; the
-  output is d, or with an axis the mean of every device's d over the same wire as
-  `int_quantized`. This is `loco(beta=0)` with the error kept exactly. `scale_method="rms"`
-  with `clip_rms` quantizes with loco's clipped-rms block scale (`quant.rms_scale`; e.g.
-  `error_feedback(2, 256, scale_method="rms", clip_rms=1.5)` is classic EF on loco(bits=2)'s
-  quantizer); the default stays absmax at every width (the classic comparator). `beta` > 0
-  keeps LoCo's moving average instead, e' = beta e + (1 - beta)(h - d), in float32 (the
-  ablation of LoCo's int8 error; no periodic reset).
-
-  With an axis and for non-finite or non-float input: as the module docstring says.
+  h = g + e; d = Q(h) as in `int_quantized`; e' = h - d; the output is d, or the mean of every
+  device's d: `loco(beta=0)` with the error kept exactly. `beta` > 0 keeps LoCo's moving
+  average e' = beta e + (1 - beta)(h - d) in float32 instead (no int8, no periodic reset).
 
   Example:
     >>> opt = optax.chain(error_feedback(bits=4), optax.adamw(3e-4))
@@ -235,12 +218,8 @@ def sign_ef(block_size: int = 2048,
             specs: Any = None) -> optax.GradientTransformationExtraArgs:
   """1-bit sign compression with error feedback (the compressor of 1-bit Adam).
 
-  h = g + e; per block of about `block_size` elements s = mean |h| (sent as float32) and
-  d = s * sign(h) (sign(0) = +1), one bit per element; e' = h - d in float32. With an axis,
-  one all-to-all carries the packed signs and scales, each device averages its shard in float32
-  and a bfloat16 all-gather returns it (1 + 16 bits a parameter).
-
-  With an axis and for non-finite or non-float input: as the module docstring says.
+  h = g + e; per block of about `block_size` elements s = mean |h| and d = s * sign(h)
+  (sign(0) = +1); e' = h - d in float32. With an axis, LoCo's wire: 1 + 16 bits a parameter.
 
   Example:
     >>> opt = optax.chain(sign_ef(), optax.adamw(3e-4))
@@ -258,11 +237,8 @@ def topk_ef(fraction: float = 0.01,
   largest |h| of each leaf are sent, the rest kept in the float32 error.
 
   h = g + e; d = h on the top-k entries, 0 elsewhere; e' = h - d. With an axis, one all-gather
-  carries every device's (int32 index, float32 value) pairs of every leaf; each device sums
-  them (scatter-add) and divides by the device count: each device sends (N - 1) * 64 * fraction
-  bits a parameter (its pairs to each of N - 1 peers).
-
-  With an axis and for non-finite or non-float input: as the module docstring says.
+  of every device's (int32 index, float32 value) pairs, summed and divided by the device count:
+  (N - 1) * 64 * fraction bits a parameter.
 
   Example:
     >>> opt = optax.chain(topk_ef(fraction=0.01), optax.adamw(3e-4))
@@ -279,14 +255,8 @@ def ef21(bits: int = 4, block_size: int = 2048,
          specs: Any = None) -> optax.GradientTransformationExtraArgs:
   """EF21 (Richtarik et al. 2021): devices send compressed changes of a running estimate.
 
-  Each device keeps g_i (float32, starts at 0), sends c_i = Q(grad_i - g_i) (absmax blocks as in
-  `int_quantized`) and sets g_i += c_i; the output is g += mean_i c_i, kept in the state and the
-  same on every device. With an axis, the c_i travel the wire of `int_quantized`, so g follows
-  mean_i g_i up to the bfloat16 rounding of the gathered means. Create the state inside
-  `jax.shard_map` and declare it with `loco_jax.state_specs`: g_i differs per device. A
-  non-finite gradient (on any device) makes every output NaN and leaves the state unchanged;
-  finite ones give finite outputs and state (differences, sums, means and casts saturate at
-  the largest finite value). Non-float and zero-size leaves pass through; dtypes are kept.
+  Each device keeps g_i (float32, starts at 0), sends c_i = Q(grad_i - g_i) over the wire of
+  `int_quantized` and sets g_i += c_i; the output is g += mean_i c_i, the same on every device.
 
   Example:
     >>> opt = optax.chain(ef21(bits=4), optax.adamw(3e-4))
@@ -306,15 +276,4 @@ def ef21(bits: int = 4, block_size: int = 2048,
     return (new_estimate,
             [[quant.saturate(l + c) for l, c in zip(local, decoded)], new_estimate], flags)
 
-  def update_fn(updates, state):
-    trees.check_state_matches("ef21", updates, state, init_fn(updates))
-    grads = leaves.split(updates, axis_name)
-    if not grads.sent:
-      return updates, state
-    update, (local, estimate) = _feedback_finish(grads, average_group,
-                                                 [state.local, state.estimate])
-    return update, EF21State(grads.tree(local), grads.tree(estimate))
-
-  return optax.GradientTransformationExtraArgs(
-      local_blocks.local_init(init_fn, axis_name, specs, "ef21"),
-      local_blocks.local_update(update_fn, axis_name, specs, name="ef21"))
+  return _stateful(init_fn, average_group, axis_name, specs, "ef21")

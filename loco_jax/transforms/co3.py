@@ -1,21 +1,14 @@
 """CO3: small-float conversion with a GenNorm-fitted scale, Huffman coding, decaying error feedback.
 
-Each step, per leaf: a = g + gamma * e; every `refit_interval` steps (and at the first) a GenNorm
-fit of a sets the leaf's scale (p(beta)/alpha for fp4, `co3_host`); q = Q(a) in the small float
-is what is sent, as uint8 symbols; e = a - q. With an axis the symbols cross in Huffman-coded,
-fixed-capacity slots (`co3_exchange`, `comm.coded`); without one they make a round trip through
-the same coder on the host, so that the codec and its measured rate stay in the loop.
+Each step, per leaf: a = g + gamma * e; every `refit_interval` steps a GenNorm fit of a sets the
+leaf's scale (`co3_host`); q = Q(a) in the small float is sent as uint8 symbols; e = a - q. With
+an axis the symbols cross in Huffman-coded slots (`co3_exchange`); without one they make a round
+trip through the same coder on the host. A leaf with fewer than two non-zero values has the
+scale max_value(fmt) / max|a|.
 
-A leaf with fewer than two non-zero values (a scalar, a one-hot gradient) has no shape to fit:
-its scale is max_value(fmt) / max|a| every step, so its output tracks it.
-
-Finite in, finite out: a is computed saturating at float32's largest value, scales stay in
-fp.scale_range(fmt) (fp4 therefore tops out at 3 * 2**126, beyond which values saturate), the
-average divides before it sums, and outputs saturate at their dtype's largest value. NaN output
-is reserved for a step that is skipped: a non-finite gradient on any device, or a peer's
-stream that does not decode to exactly its row (corrupt, short, truncated), found by any
-receiver: every device then returns NaN and keeps its state (`rejected` counts the second
-kind); no device waits on another, and no average is silently changed.
+Finite in, finite out: a, the scales, the average and the outputs saturate. NaN output means a
+skipped step: a non-finite gradient on any device, or a peer's stream that does not decode
+(`rejected` counts those); every device then returns NaN and keeps its state.
 """
 
 from typing import Any, NamedTuple
@@ -59,15 +52,10 @@ def co3(fmt: str = "fp4", gamma: float = 0.7, refit_interval: int = 100,
         ) -> optax.GradientTransformationExtraArgs:
   """CO3's Convert, Compress, Correct as an optax transformation; averages over `axis_name`.
 
-  With `axis_name` (inside `jax.shard_map`) every device serves 1/n of every leaf: it codes each
-  destination's shard as its own Huffman stream in a slot of one all-to-all, decodes the
-  streams of its own shard, averages them in float32 and all-gathers the averaged shard
-  (`co3_exchange`). On few devices the all-gather of whole coded gradients sends less (at 2
-  devices always; with the bf16 gather while n < 1 + 16 / capacity_bits): `exchange="auto"`
-  takes it there, and `co3_exchange.predicted_bits` says what each sends. With
-  gather="coded" every device converts a leaf at the largest of the devices' scales (at most 4x
-  the smallest: `co3_exchange.agree_scales`), so that the averaged shard crosses exactly, as
-  the sum of the devices' levels.
+  With `axis_name` (inside `jax.shard_map`) every device serves 1/n of every leaf: one
+  all-to-all of Huffman-coded shards, a float32 average, an all-gather of the averaged shard
+  (`co3_exchange`). On few devices the all-gather of whole coded gradients sends less, and
+  `exchange="auto"` takes it there (`co3_exchange.predicted_bits`).
 
   Args:
     fmt: "fp4" ([1,2,1]) or "fp8" ([1,5,2]).
@@ -75,24 +63,17 @@ def co3(fmt: str = "fp4", gamma: float = 0.7, refit_interval: int = 100,
     refit_interval: steps between GenNorm fits of the scales (the first step fits).
     entropy_code: Huffman-code the symbols (`codecs.huffman_deflate`); False sends them raw.
     axis_name: the mesh axis to average over, or None (local, no communication).
-    capacity_bits: bits a symbol of the all-to-all's (or the whole gradients' all-gather's)
-      coded slots; a stream that does not fit sends that step's exchange raw (lossless,
-      `state.overflows`). Default: slots of `usual_capacity_bits(fmt)` (the fitted model's
-      entropy for beta up to 1) that extend to `default_capacity_bits(fmt)` (its worst case
-      over beta in [0.2, 3]) on the steps where some stream needs it: a second, smaller
-      collective then (`state.extended`). A model whose streams you have measured sends less
-      in slots fitted to them (docs/EXPERIMENTS_CO3.md, "Fitted slots"); a given size has no
-      extension.
-    gather: "bf16" or "coded" (fp4 on at most 21 devices: the exact sums of the devices' fp4
-      levels, one byte an element, coded): how the per-shard exchange returns the averaged
-      shards.
+    capacity_bits: bits a symbol of the coded slots; a stream that does not fit sends the
+      step's exchange raw (lossless, `state.overflows`). Default: slots of
+      `usual_capacity_bits(fmt)` that extend to `default_capacity_bits(fmt)` on the steps that
+      need it (`state.extended`); a given size has no extension (docs/EXPERIMENTS_CO3.md).
+    gather: how the per-shard exchange returns the averaged shards: "bf16", or "coded" (fp4
+      on at most 21 devices: the exact sums of the devices' levels, which then agree on their
+      scales, `co3_exchange.agree_scales`).
     exchange: "auto", "all_to_all" (per shard) or "all_gather" (whole gradients).
     specs: PartitionSpecs of leaves sharded over other mesh axes (as in `loco`).
     gather_capacity_bits: bits an element of the coded gather's slots (gather="coded" only;
-      default `co3_host.usual_sum_capacity_bits(n)`, extending to `default_sum_capacity_bits(n)`
-      as for `capacity_bits`); overflow as for `capacity_bits`. An
-      axis that `exchange="auto"` gives the all-gather of whole gradients (2 devices) has no
-      such gather: `co3_exchange.is_per_shard` says which.
+      default `co3_host.usual_sum_capacity_bits(n)`, extending as for `capacity_bits`).
 
   Returns:
     An optax.GradientTransformationExtraArgs whose state is a `Co3State`.

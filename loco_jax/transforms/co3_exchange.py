@@ -1,28 +1,19 @@
 """CO3 on a mesh: every device serves 1/n of every leaf, as LoCo's exchange does.
 
-Per-shard exchange (`all_to_all`): each device lays its symbols out in rows, one per device
-(`layout.shard_rows`: row j is device j's shard of every leaf), codes each row into a slot of ONE
-all-to-all (`comm.coded`), decodes the n - 1 rows it receives, averages them in float32 with
-each sender's scales, and all-gathers its averaged shard: in bf16, or (`gather="coded"`, fp4)
-as the exact sum of the n senders' levels, one byte an element, coded again. The sum is exact
-because every device converts a leaf at the same scale there (the finest of the devices' own
-within a bound, agreed each step: `agree_scales`), so the levels are small integers in one
-unit; the average every device returns is then the float32 mean of what was sent, as with the
-bf16 gather, and nothing is rounded a second time. A device sends (n-1)/n (C + 16) or
-(n-1)/n (C + C_sum) bits a parameter for a coded rate C.
+Per-shard exchange (`all_to_all`): each device codes row j of its symbols (device j's shard of
+every leaf) into a slot of ONE all-to-all (`comm.coded`), decodes the rows it receives,
+averages them in float32 with each sender's scales and all-gathers its averaged shard: in bf16,
+or (`gather="coded"`, fp4) as the exact sum of the n senders' levels, one byte an element, coded
+again. The sum is exact because the devices agree on each leaf's scale (`agree_scales`).
+A device sends (n-1)/n (C + 16) or (n-1)/n (C + C_sum) bits a parameter for a coded rate C.
 
-Whole-gradient exchange (`all_gather`): each device's coded gradient is all-gathered and every
-device decodes and averages all of them: (n-1) C bits. `exchange="auto"` picks whichever
-`predicted_bits` says sends less on this axis (the all-gather at 2 devices, and up to
-n = 1 + G / C for a gather of G bits an element).
+Whole-gradient exchange (`all_gather`): every device decodes and averages every device's coded
+gradient, (n-1) C bits. `exchange="auto"` picks whichever `predicted_bits` says sends less.
 
-Status, replicated on every device: `flag` is 0, +inf where some receiver found a peer's
-stream corrupt, or NaN where some device saw a non-finite gradient (sums keep that meaning);
-`extended` is 1 where some stream was longer than its slot's usual size and took the slot's
-extension (default slots only: `co3_host.usual_capacity_bits`, extended up to
-`default_capacity_bits`; `comm.coded`); `overflowed` is 1 where some stream did not fit even so:
-the step's exchange then runs again, raw, inside a lax.cond that every device takes alike
-(lossless). Both conditional collectives' bytes are counted as conditional in the HLO.
+Status, replicated: `flag` is 0, +inf where some receiver found a stream corrupt, NaN where some
+gradient was not finite; `extended` is 1 where some slot took its extension (`comm.coded`);
+`overflowed` is 1 where some stream did not fit even so: the exchange then runs again raw,
+inside a lax.cond that every device takes alike.
 """
 
 import functools
@@ -58,9 +49,8 @@ def symbols_per_byte(fmt: fp.FloatFormat) -> int:
 
 
 def predicted_bits(n: int, symbol_bits: float, gather_bits: float, per_shard: bool) -> float:
-  """Bits a device sends per parameter a step at `symbol_bits` a symbol in the all-to-all (or
-  the all-gather of whole gradients) and `gather_bits` an element in the gather of the
-  averaged shards (16 for bf16), scales aside."""
+  """Bits a device sends per parameter a step, scales aside: `symbol_bits` a symbol in the
+  all-to-all (or whole gradients' all-gather), `gather_bits` an element in the shards' gather."""
   if per_shard:
     return (n - 1) / n * (symbol_bits + gather_bits)
   return (n - 1) * symbol_bits
@@ -78,19 +68,10 @@ def gather_bits(settings: Co3Settings, n: int) -> float:
 
 
 def gather_reach_bits(settings: Co3Settings, n: int) -> float | None:
-  """Bits an element of a coded gather's slot with its extension (None: no extension, where
-  the caller sized the slot)."""
+  """Bits an element of a coded gather's slot with its extension (None: a given size, none)."""
   if settings.gather_capacity_bits is not None:
     return None
   return co3_host.default_sum_capacity_bits(n)
-
-
-def _extension(size: int, capacity: int, reach_bits_per_byte: float | None) -> int:
-  """Bytes of a slot's extension (`comm.coded`) beyond `capacity`, reaching
-  `reach_bits_per_byte` for `size` bytes; 0 without."""
-  if reach_bits_per_byte is None:
-    return 0
-  return max(0, coded.slot_bytes(size, reach_bits_per_byte, CODER) - capacity)
 
 
 def is_per_shard(settings: Co3Settings, n: int) -> bool:
@@ -189,30 +170,27 @@ def _symbol_slots(settings: Co3Settings) -> tuple[float, float | None]:
   return settings.capacity_bits * per_byte, None if reach is None else reach * per_byte
 
 
-def _send(settings: Co3Settings, rows_NxB, side_NxS, coded_path: bool) -> coded.Received:
+def _exchange(settings: Co3Settings, gather: bool, rows, side, coded_path: bool,
+              bits_per_byte: float, reach_bits_per_byte: float | None) -> coded.Received:
+  """Rows through the all-to-all, or one row through the all-gather: raw, or coded into slots
+  of `bits_per_byte` whose extension (`comm.coded`) reaches `reach_bits_per_byte` (None: none)."""
   if not coded_path:
-    return coded.raw_all_to_all(rows_NxB, side_NxS, settings.axis_name)
-  bits, reach = _symbol_slots(settings)
-  capacity = coded.slot_bytes(rows_NxB.shape[1], bits, CODER)
-  return coded.all_to_all(rows_NxB, side_NxS, capacity, CODER, settings.axis_name,
-                          _extension(rows_NxB.shape[1], capacity, reach))
-
-
-def _gather(settings: Co3Settings, row_B, side_S, coded_path: bool, bits_per_byte: float,
-            reach_bits_per_byte: float | None) -> coded.Received:
-  if not coded_path:
-    return coded.raw_all_gather(row_B, side_S, settings.axis_name)
-  capacity = coded.slot_bytes(row_B.shape[0], bits_per_byte, CODER)
-  return coded.all_gather(row_B, side_S, capacity, CODER, settings.axis_name,
-                          _extension(row_B.shape[0], capacity, reach_bits_per_byte))
+    raw = coded.raw_all_gather if gather else coded.raw_all_to_all
+    return raw(rows, side, settings.axis_name)
+  size = rows.shape[-1]
+  capacity = coded.slot_bytes(size, bits_per_byte, CODER)
+  extension = (0 if reach_bits_per_byte is None else
+               max(0, coded.slot_bytes(size, reach_bits_per_byte, CODER) - capacity))
+  send = coded.all_gather if gather else coded.all_to_all
+  return send(rows, side, capacity, CODER, settings.axis_name, extension)
 
 
 def _whole(settings: Co3Settings, layouts: list, rows_1xB: jax.Array, scales: jax.Array,
            flag: jax.Array, coded_path: bool) -> Exchanged:
   """The all-gather of every device's whole symbols; each device averages all of them."""
   leaf_count = len(layouts)
-  got = _gather(settings, rows_1xB[0], jnp.concatenate([scales, flag[None]]), coded_path,
-                *_symbol_slots(settings))
+  got = _exchange(settings, True, rows_1xB[0], jnp.concatenate([scales, flag[None]]),
+                  coded_path, *_symbol_slots(settings))
   values = row_values(got.rows, got.side[:, :leaf_count], layouts, settings.fmt)
   flag = got.side[:, leaf_count].sum() + _corrupt(got.missing)
   if coded_path:  # its sender does not decode its own stream: agree on what receivers found
@@ -247,8 +225,8 @@ def _sum_gather(settings: Co3Settings, got: coded.Received, layouts: list, scale
   valid = jnp.all(jnp.isfinite(sum_R))
   status = status + jnp.stack([jnp.where(valid, 0.0, jnp.inf), 0.0]).astype(jnp.float32)
   sums_B = jnp.where(jnp.isfinite(sum_R), sum_R + offset, 0).astype(jnp.uint8)
-  gathered = _gather(settings, sums_B, status, coded_path, gather_bits(settings, n),
-                     gather_reach_bits(settings, n))
+  gathered = _exchange(settings, True, sums_B, status, coded_path, gather_bits(settings, n),
+                       gather_reach_bits(settings, n))
   # A byte above 2 * offset is no sum of n levels: a peer's forgery, counted as a stream that
   # does not decode (`_corrupt`).
   forged = jnp.any(gathered.rows > 2 * offset).astype(jnp.int32)
@@ -264,7 +242,7 @@ def _per_shard(settings: Co3Settings, layouts: list, rows_NxB: jax.Array, scales
   """All-to-all of the rows, the mean of this device's shard, the gather of the shards."""
   n, leaf_count = layouts[0].rows, len(layouts)
   side_NxS = jnp.broadcast_to(jnp.concatenate([scales, flag[None]]), (n, leaf_count + 1))
-  got = _send(settings, rows_NxB, side_NxS, coded_path)
+  got = _exchange(settings, False, rows_NxB, side_NxS, coded_path, *_symbol_slots(settings))
   status = jnp.stack([got.side[:, leaf_count].sum() + _corrupt(got.missing),
                       (got.missing[0] > 0).astype(jnp.float32)])
   if settings.gather == "bf16":
@@ -282,18 +260,9 @@ def _per_shard(settings: Co3Settings, layouts: list, rows_NxB: jax.Array, scales
 
 def exchange(settings: Co3Settings, symbols: list, scales: jax.Array,
              flag: jax.Array) -> Exchanged:
-  """The mean over `settings.axis_name` of every device's decoded symbols.
-
-  Args:
-    settings: co3's settings (axis_name set).
-    symbols: uint8 [size] per leaf, this device's.
-    scales: float32 [leaves], this device's (agreed by every device where `sums_levels`).
-    flag: float32, 0 or NaN (this device's gradient is not finite).
-
-  Returns:
-    `Exchanged`; where the coded exchange overflowed and nothing else went wrong, the same
-    exchange run raw (inside a lax.cond: every device takes it alike).
-  """
+  """The mean over `settings.axis_name` of every device's decoded symbols (uint8 [size] per
+  leaf), at its `scales` (float32 [leaves]); `flag` is NaN where this gradient is not finite.
+  Where the coded exchange overflowed and nothing else went wrong, it runs again raw."""
   n = comm.axis_size(settings.axis_name, "co3")
   per_shard = is_per_shard(settings, n)
   layouts = [layout.leaf_layout(s.size, n if per_shard else 1, None) for s in symbols]

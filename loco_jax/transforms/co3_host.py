@@ -23,9 +23,8 @@ SATURATION_QUANTILE = 0.99
 def fitted_scale(fmt: fp.FloatFormat, beta: float, alpha: float) -> float:
   """The scale CO3 uses for a GenNorm(beta, alpha) layer: p(beta)/alpha for fp4, else 1/alpha.
 
-  p is fitted for beta >= 0.35 (REFERENCES.md), so smaller shapes use p(0.35). For fp8 the MSE
-  hardly depends on the scale while values stay in range, and 1/alpha keeps them far from both
-  its subnormals and its maximum.
+  p is fitted for beta >= 0.35 (REFERENCES.md), so smaller shapes use p(0.35). fp8's MSE
+  hardly depends on the scale in range, and 1/alpha keeps far from both its ends.
   """
   return gennorm.fp4_scale(max(beta, MIN_BETA), alpha) if fmt == fp.FP4 else 1.0 / alpha
 
@@ -39,12 +38,8 @@ USUAL_BETA = 1.0
 USUAL_BETAS = BETAS[(BETAS >= MIN_BETA) & (BETAS <= USUAL_BETA)]
 
 
-def _symbol_entropy(fmt: fp.FloatFormat, beta: float) -> float:
-  return gennorm.entropy_bits(fmt, beta, 1.0, fitted_scale(fmt, beta, 1.0))
-
-
 def _capacity(fmt: fp.FloatFormat, betas) -> float:
-  worst = max(_symbol_entropy(fmt, b) for b in betas)
+  worst = max(gennorm.entropy_bits(fmt, b, 1.0, fitted_scale(fmt, b, 1.0)) for b in betas)
   mixture = LEAF_MIXTURE_MARGIN_BITS if fmt.exponent_bits > fp.FP4.exponent_bits else 0.0
   return min(worst + CAPACITY_MARGIN_BITS + mixture, float(fmt.bits))
 
@@ -53,13 +48,10 @@ def default_capacity_bits(fmt: fp.FloatFormat) -> float:
   """Bits per symbol that a coded slot holds with its extension: the largest entropy of the
   fitted model over beta in BETAS, plus a margin for Huffman's own overhead.
 
-  fp8 reserves LEAF_MIXTURE_MARGIN_BITS more. A slot holds a shard of every leaf, coded with
-  one code table a deflate block, so it pays for the mixture of the leaves' symbol
-  distributions, which no per-leaf model sees. fp8 spreads its symbols over 31 binades, and
-  leaves of different shapes (beta) and of many exact zeros (embedding rows) sit on
-  different ones: on real gradients the mixture costs more than the margin for Huffman's
-  overhead covers, and a slot sized to the model alone sends nearly every step raw
-  (docs/EXPERIMENTS_CO3.md). fp4 maps every leaf onto the same six magnitudes.
+  fp8 reserves LEAF_MIXTURE_MARGIN_BITS more: one code table codes a shard of every leaf, and
+  fp8's leaves sit on different binades, a mixture no per-leaf model sees; sized to the model
+  alone its slots sent nearly every step raw (docs/EXPERIMENTS_CO3.md). fp4's leaves share six
+  magnitudes.
   """
   return _capacity(fmt, BETAS)
 
@@ -89,13 +81,9 @@ def _sum_capacity(n: int, betas) -> float:
 
 @functools.lru_cache(maxsize=None)
 def default_sum_capacity_bits(n: int) -> float:
-  """Bits an element that a coded slot of the exact sums of n devices' fp4 levels holds with
-  its extension (co3's gather="coded"): the largest entropy of the sum of n independent
-  symbols of the fitted model over BETAS, plus its margin.
-
-  Independent symbols are the widest sum for given marginals, as far as gradients go: the
-  devices' gradients share their signal, which narrows the sum towards n times one symbol.
-  """
+  """Bits an element of a coded slot of the sums of n devices' fp4 levels, with its extension
+  (gather="coded"): the largest entropy over BETAS of the sum of n independent symbols (the
+  widest sum: shared signal narrows it), plus its margin."""
   return _sum_capacity(n, BETAS)
 
 

@@ -141,28 +141,14 @@ def two_hop(node_axis: str = "node", local_axis: str = "local", intra: str = "re
             gather: str = "bf16") -> optax.GradientTransformationExtraArgs:
   """Mean over a (node, local) mesh in two hops, each hop with its own int8 error.
 
-  Hop 1, inside each node (over `local_axis`): `intra="reduce_scatter"` is a float32
-  reduce-scatter; `intra="loco"` is LoCo's all-to-all of packed `bits` codes (the DeepSpeed LoCo
-  design). Either leaves each device the node's mean of its shard. Hop 2, across nodes (over
-  `node_axis`): that shard gets the inter-node error added, is re-quantized, and is averaged by
-  LoCo's all-to-all. Two all-gathers return the mean: across nodes in bf16 or, with
-  `gather="quantized"`, re-quantized to `bits` with an error of its own (the slow links then
-  carry `bits` both ways, as `loco(gather="quantized")`), then inside the node in bf16. Links
-  inside a node (NVLink, ICI) are about ten times faster than those between nodes, so the
-  default compresses only across them. Non-finite gradients and saturation: as in `loco`.
+  Hop 1, inside each node: a float32 reduce-scatter (`intra="reduce_scatter"`) or LoCo's
+  all-to-all (`intra="loco"`, DeepSpeed LoCo's design) leaves each device the node's mean of
+  its shard. Hop 2, across nodes: LoCo's step on that shard with an error of its own. Two
+  all-gathers return the mean: across nodes in bf16 or, with `gather="quantized"`, re-quantized
+  with an error of its own, then inside the node in bf16. Non-finite gradients: as in `loco`.
 
-  Args:
-    node_axis: the mesh axis across nodes.
-    local_axis: the mesh axis inside a node.
-    intra: "reduce_scatter" or "loco", the first hop.
-    gather: "bf16" or "quantized", the gather across nodes.
-    bits, scale, error_bits, error_scale, beta, reset_interval, block_size, specs: as in
-      `loco` (absmax block scales).
-
-  Returns:
-    An `optax.GradientTransformationExtraArgs` to call inside `jax.shard_map` over both axes,
-    whose `TwoHopState` is created there too and declared with
-    `state_specs(state, (node_axis, local_axis))`.
+  The other arguments are `loco`'s (absmax block scales). Call it inside `jax.shard_map` over
+  both axes; declare its `TwoHopState` with `state_specs(state, (node_axis, local_axis))`.
 
   Example:
     >>> opt = optax.chain(two_hop("node", "local"), optax.adamw(3e-4))
