@@ -228,7 +228,7 @@ def record(task: Task, method: str, config: Config, state: Any, batch: Any) -> d
   import jax
   from loco_jax.apps import huffman
   from loco_jax.codecs import fp, gennorm
-  from loco_jax.transforms.co3 import FORMATS
+  from loco_jax.transforms.co3_settings import FORMATS
   from loco_jax.transforms.co3_host import SATURATION_QUANTILE, fitted_scale
   shard = jax.tree.map(lambda x: x[: len(x) // config.workers], batch)
   grads = matrices(task.grad_fn(state.params, shard))

@@ -18,8 +18,13 @@ import numpy as np  # noqa: E402
 
 from loco_jax.apps import huffman, huffman_jnp  # noqa: E402
 from loco_jax.codecs import fp, gennorm  # noqa: E402
-from loco_jax.transforms.co3 import (  # noqa: E402
-    HEADER_BYTES, LANE_TABLE_BYTES_PER_SYMBOL, default_capacity_bits)
+from loco_jax.apps.huffman_codes import LANE_LETTERS  # noqa: E402
+from loco_jax.transforms.co3_host import default_capacity_bits  # noqa: E402
+
+# A stream's bytes beside its payload: magic, count, CRC and code lengths (under 256 bytes)
+# and at most 4 bytes a lane of LANE_LETTERS letters for the lane table.
+STREAM_HEADER_BYTES = 256
+LANE_TABLE_BYTES = 4
 
 USAGE = """Examples:
   python experiments/codec_device_bench.py                    # 1M and 4M symbols, all codecs
@@ -78,7 +83,8 @@ def _jnp_variant(spec: str, n: int, probabilities: np.ndarray, capacity_bits: fl
 def _host_variant(name: str, n: int, probabilities: np.ndarray,
                   capacity_bits: float) -> Variant:
   pairs = name == "host-pairs"
-  capacity = HEADER_BYTES + math.ceil((capacity_bits / 8 + LANE_TABLE_BYTES_PER_SYMBOL) * n)
+  capacity = (STREAM_HEADER_BYTES + math.ceil(capacity_bits / 8 * n)
+              + LANE_TABLE_BYTES * -(-n // LANE_LETTERS))
   probabilities = probabilities[:16] if pairs else probabilities
   coder = huffman.encode_pairs if pairs else huffman.encode
   coded_type = (jax.ShapeDtypeStruct((capacity,), jnp.uint8), jax.ShapeDtypeStruct((), jnp.int32))

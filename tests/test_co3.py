@@ -9,7 +9,8 @@ from jax.sharding import PartitionSpec as P
 from loco_jax import comm
 from loco_jax.codecs import fp, gennorm
 from loco_jax.train import parallel
-from loco_jax.transforms.co3 import co3, default_capacity_bits, usual_capacity_bits
+from loco_jax.transforms.co3 import co3
+from loco_jax.transforms.co3_host import default_capacity_bits, usual_capacity_bits
 
 N = 8
 PARAMS = {"w": jnp.zeros((64, 128)), "b": jnp.zeros(96)}

@@ -341,13 +341,12 @@ CO3_METHODS = ("co3-fp4", "co3-fp8", "co3-fp4-coded")
 def _co3_per_shard(method: str, n: int) -> bool:
   """Whether co3's own accounting (co3_exchange.predicted_bits at the default slots' usual
   size) has `method` take the per-shard exchange on n devices: what netbench must record."""
-  co3 = importlib.import_module("loco_jax.transforms.co3")   # the package exports the factory
+  settings = importlib.import_module("loco_jax.transforms.co3_settings")
+  co3_host = importlib.import_module("loco_jax.transforms.co3_host")
   co3_exchange = importlib.import_module("loco_jax.transforms.co3_exchange")
-  fmt = co3.FORMATS[method.split("-")[1]]
-  gather = "coded" if method.endswith("-coded") else "bf16"
-  bits = co3.usual_capacity_bits(fmt)
-  gathered = (16.0 if gather == "bf16" else
-              importlib.import_module("loco_jax.transforms.co3_host").usual_sum_capacity_bits(n))
+  fmt = settings.FORMATS[method.split("-")[1]]
+  bits = co3_host.usual_capacity_bits(fmt)
+  gathered = (co3_host.usual_sum_capacity_bits(n) if method.endswith("-coded") else 16.0)
   return (co3_exchange.predicted_bits(n, bits, gathered, True)
           < co3_exchange.predicted_bits(n, bits, gathered, False))
 
@@ -516,7 +515,7 @@ def test_overflow_steps_add_the_raw_resend_to_the_prediction(monkeypatch):
 def test_extended_steps_add_the_slots_extensions_alone_to_the_prediction(monkeypatch):
   # Default slots whose usual size is 1 bit a symbol: every step's streams take the extension
   # to the model's worst case (3.76 bits), and none overflows it.
-  monkeypatch.setattr(importlib.import_module("loco_jax.transforms.co3"), "usual_capacity_bits",
+  monkeypatch.setattr(importlib.import_module("loco_jax.transforms.co3_settings"), "usual_capacity_bits",
                       lambda fmt: 1.0)
   r = _measure_in_process("co3-fp4-coded", 4, steps=3)
   assert r["counts"] == {"overflows": 0, "extended": 3, "rejected": 0}

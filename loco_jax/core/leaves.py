@@ -7,12 +7,10 @@ step:
   result = grads.map_groups(step)                 # step(group) -> GroupResult, per group
   update, state, count = grads.finish(result, new, old, count)
 
-`split` takes the gradient tree: the leaves to compress (float, non-empty), grouped by the mesh
-axes other than the averaged ones over which they differ from device to device (one group unless
-some leaves are sharded over a model axis: see `core.local_blocks`). `Leaves.flat` hands each
-leaf to the step as a flat float32 vector. `finish` puts the step's results back: the update in
-the leaves' shapes and dtypes, and the new state where every gradient was finite, else NaN
-updates and the old state, on every device and every model shard alike.
+`split` groups the leaves to compress by the non-averaged mesh axes they vary over (one group
+unless a model axis splits some: `core.local_blocks`). `finish` returns the update in the
+leaves' shapes and dtypes and the new state where every gradient was finite, else NaN updates
+and the old state, on every device and model shard alike.
 """
 
 import contextlib
@@ -105,10 +103,6 @@ class ByGroup(dict):
   def tree_flatten_with_keys(self):
     keys = sorted(self)
     return [(jax.tree_util.DictKey(k), self[k]) for k in keys], tuple(keys)
-
-  def tree_flatten(self):
-    keys = sorted(self)
-    return [self[k] for k in keys], tuple(keys)
 
   @classmethod
   def tree_unflatten(cls, keys, children):

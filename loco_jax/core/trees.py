@@ -148,3 +148,24 @@ def is_placeholder(params: Any) -> bool:
   params, then gives scalars in its place, so that the stand-in's state is a prefix of the
   real one and is left as it is."""
   return not jax.tree.leaves(params) and not isinstance(params, (dict, list, tuple, type(None)))
+
+
+def arrays_of(tree: Any) -> str:
+  """"N arrays of shapes [...]": a state field laid out in buckets, for an error message."""
+  shapes = [tuple(jnp.shape(x)) for x in jax.tree.leaves(tree)]
+  return f"{len(shapes)} arrays of shapes {shapes[:4]}" + (" ..." if len(shapes) > 4 else "")
+
+
+def check_layout(caller: str, state: Any, updates: Any, have: Any, want: Any) -> None:
+  """ValueError where `updates` is not like the params of `state`, or its arrays laid out in
+  buckets (`have`) not like `want`'s: another transformation's settings, or another mesh."""
+  if isinstance(state.signature, TreeSignature):
+    state.signature.check(updates, caller)
+  if jax.tree.structure(have) != jax.tree.structure(want) or any(
+      jnp.shape(a) != jnp.shape(b) or jnp.result_type(a) != jnp.result_type(b)
+      for a, b in zip(jax.tree.leaves(have), jax.tree.leaves(want))):
+    raise ValueError(
+        f"{caller}: the state holds {arrays_of(have)}, but this gradient tree needs "
+        f"{arrays_of(want)} (one per bucket of its layout, buckets.plan). The gradient tree "
+        f"must have the structure and leaf shapes of the params the state was created from "
+        f"(init), and the state must come from a {caller} with the same settings.")

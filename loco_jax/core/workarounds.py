@@ -1,14 +1,7 @@
 """XLA:CPU workarounds, in one place: what the CPU backend needs and GPU/TPU do not.
 
-Each one is on where `enabled()` is, and each is justified by a measurement in
-docs/PERFORMANCE.md ("Backend workarounds"). Setting `LOCO_JAX_WORKAROUNDS=0` turns them all
-off, so that a benchmark can measure what they still buy:
-
-- `opaque_offsets`: bucket take-out offsets XLA cannot see as constants. XLA:CPU compiles
-  each distinct fusion once, and a slice at a constant offset is distinct for every leaf.
-- `finite_first`: in local mode, a leaf that is a whole bucket is checked for finiteness
-  before the step, which then keeps its own state on a skipped step. A select after the step
-  would copy the bucket and the error.
+Each is on where `enabled()` is, and docs/PERFORMANCE.md ("Backend workarounds") measures what
+it buys; `LOCO_JAX_WORKAROUNDS=0` turns them all off.
 """
 
 import functools
@@ -28,11 +21,11 @@ def enabled() -> bool:
 
 
 def opaque_offsets(offsets: Sequence[int], count: jax.Array) -> list:
-  """`offsets` as values XLA cannot fold into constants, where `enabled()`; else as they are.
+  """`offsets` as values XLA cannot fold into constants, where `enabled()`.
 
-  Leaves of one shape at offsets known only at run time share one compiled kernel. The
-  offsets come out of a while loop that runs once (`count`, a step counter, is never
-  negative) and passes them through a max with its index.
+  XLA:CPU compiles each distinct fusion once: a slice at a constant offset is distinct for
+  every leaf, and slices of one shape at run-time offsets share one kernel. The offsets come
+  out of a while loop that runs once (`count`, a step counter, is never negative).
   """
   if not enabled():
     return list(offsets)
@@ -49,8 +42,9 @@ def opaque_offsets(offsets: Sequence[int], count: jax.Array) -> list:
 
 def finite_first(gradient_buckets: Sequence[jax.Array], local: bool,
                  has_bare_leaf: bool) -> jax.Array | None:
-  """Whether every gradient value is finite, checked before the step; None where the step
-  should find out by itself (not `enabled()`, an axis, or no leaf that is a whole bucket)."""
+  """Whether every gradient value is finite, checked before the step, which then keeps its
+  own state on a skipped step: a select after it would copy a leaf that is a whole bucket, and
+  its error. None where the step finds out by itself (not `enabled()`, an axis, no such leaf)."""
   if not (enabled() and local and has_bare_leaf):
     return None
   return functools.reduce(jnp.logical_and, [quant.all_finite(g) for g in gradient_buckets])

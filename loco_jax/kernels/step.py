@@ -110,8 +110,7 @@ def pallas_report(backend: str, bits: int = 4, error_bits: int = 8, beta: float 
 
 
 def outside_traces(fn, *args):
-  """`fn(*args)` on a thread of its own: jax's trace and mesh contexts are per thread, so a
-  check called while a jit or a jax.shard_map traces compiles and runs its own programs.
+  """`fn(*args)` on a thread of its own, outside the caller's traces (they are per thread).
 
   Example:
     >>> outside_traces(implementation_report, "jnp", "cpu")

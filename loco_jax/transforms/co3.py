@@ -22,8 +22,6 @@ from loco_jax.codecs import fp
 from loco_jax.core import layout, leaves, local_blocks, quant, trees
 from loco_jax.transforms import co3_exchange, co3_host, co3_settings
 from loco_jax.transforms.co3_settings import Co3Settings
-from loco_jax.transforms.co3_host import (default_capacity_bits, fitted_scale,  # noqa: F401
-                                         usual_capacity_bits)
 
 
 
@@ -65,8 +63,9 @@ def co3(fmt: str = "fp4", gamma: float = 0.7, refit_interval: int = 100,
     axis_name: the mesh axis to average over, or None (local, no communication).
     capacity_bits: bits a symbol of the coded slots; a stream that does not fit sends the
       step's exchange raw (lossless, `state.overflows`). Default: slots of
-      `usual_capacity_bits(fmt)` that extend to `default_capacity_bits(fmt)` on the steps that
-      need it (`state.extended`); a given size has no extension (docs/EXPERIMENTS_CO3.md).
+      `co3_host.usual_capacity_bits(fmt)` that extend to `co3_host.default_capacity_bits(fmt)`
+      on the steps that need it (`state.extended`); a given size has no extension
+      (docs/EXPERIMENTS_CO3.md).
     gather: how the per-shard exchange returns the averaged shards: "bf16", or "coded" (fp4
       on at most 21 devices: the exact sums of the devices' levels, which then agree on their
       scales, `co3_exchange.agree_scales`).

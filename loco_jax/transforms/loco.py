@@ -1,19 +1,13 @@
 """4-bit gradient compression with an 8-bit, moving-averaged, periodically reset error (LoCo).
 
-The step, per group of leaves (`core.leaves`), reads top-down in `group_step`: the leaves are
-laid out once, from their shapes, in a few flat buckets (`core.buckets`: each leaf's rows cut
-into whole blocks of about `block_size`, so no block straddles two leaves); each bucket goes
-through one fused `kernels.compress_step` (compensate, quantize, pack, new error); with an
-axis, one all-to-all carries every bucket's packed codes and scales, each device averages its
-shard with `kernels.dequantize_mean`, and an all-gather returns the averaged shards in
-bfloat16 or re-quantized with an error of their own (`average`).
+The step reads top-down in `update`: each group of leaves (`core.leaves`) is laid out in a few
+flat buckets (`core.buckets`), compressed by one fused kernel a bucket, averaged over the axis
+by one all-to-all and gathered (`bucket_step`); then every group keeps or skips the step.
 
-Finite gradients give finite outputs and state: where the arithmetic would overflow (g + e,
-q / s or the mean near the float32 maximum, the bfloat16 gather, the cast back to a float16 or
-bfloat16 leaf) the values saturate at the largest finite one, and the average is a sum of
-x / 2**k (`quant.mean_factors`). A non-finite gradient (on any device of the axis) makes every
-output NaN and leaves the state unchanged, so the error is never poisoned; wrap the chain in
-`optax.apply_if_finite` to skip such steps.
+Finite gradients give finite outputs and state: where the arithmetic would overflow, values
+saturate at the largest finite one. A non-finite gradient (on any device of the axis) makes
+every output NaN and leaves the state unchanged, so the error is never poisoned; wrap the
+chain in `optax.apply_if_finite` to skip such steps.
 """
 
 from typing import Any
@@ -30,7 +24,7 @@ from loco_jax.transforms.loco_state import GroupState, LocoState, check_state
 from loco_jax.transforms.settings import GATHER_MODES, LocoSettings, resolve
 
 
-def _check_exchange(axis_name, gather: str, scatter: bool, entropy_code: bool,
+def _check_averaging(axis_name, gather: str, scatter: bool, entropy_code: bool,
                     capacity_bits: float | None, bits: int) -> Averaging:
   if gather not in GATHER_MODES:
     raise ValueError(f"gather must be one of {GATHER_MODES}, got {gather!r}")
@@ -117,7 +111,7 @@ def loco(bits: int = 4, scale: float | None = None, error_bits: int | None = Non
   """
   s = resolve(bits, scale, error_bits, error_scale, beta, reset_interval, block_size,
               scale_method, clip_rms)
-  mode = _check_exchange(axis_name, gather, scatter, entropy_code, capacity_bits, s.bits)
+  mode = _check_averaging(axis_name, gather, scatter, entropy_code, capacity_bits, s.bits)
   return optax.GradientTransformationExtraArgs(
       local_blocks.local_init(lambda params: init(s, mode, params), axis_name, specs, "loco"),
       local_blocks.local_update(lambda updates, state: update(s, mode, updates, state),

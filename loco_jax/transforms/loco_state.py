@@ -18,43 +18,21 @@ class GroupState(NamedTuple):
 
 
 class LocoState(NamedTuple):
-  """LoCo's state, stored as it is stepped: per group of leaves, one array per bucket
-  (`buckets.plan`, laid out from the params' shapes), so that a step neither gathers the state
-  into buckets nor slices it back per leaf; `error_by_leaf` shows it per leaf. `groups` differs
-  per device: declare it with `state_specs`.
-
-  A group holds the leaves that are split over the same mesh axes besides the averaged ones,
-  keyed by those axes joined by commas (`leaves.group_key`): "" for every leaf unless a model
-  axis splits some; those of "model" differ per model shard, the others do not.
-  """
+  """LoCo's state, stored as it is stepped: per group of leaves (`leaves.group_key`: "" unless
+  a model axis splits some), one array per bucket (`buckets.plan`); `error_by_leaf` shows it
+  per leaf. `groups` differs per device: declare it with `state_specs`."""
   count: jax.Array   # int32 steps taken; drives the periodic reset
   groups: Any        # leaves.ByGroup: {group key: GroupState}
   signature: Any     # trees.TreeSignature of the params: their structure and shapes, no array
 
 
-def _shapes(field) -> str:
-  shapes = [tuple(x.shape) for x in jax.tree.leaves(field)]
-  return f"{len(shapes)} arrays of shapes {shapes[:4]}" + (" ..." if len(shapes) > 4 else "")
-
-
-def check_state(state: Any, updates: Any, expected: dict) -> None:
+def check_state(state: Any, updates: Any, expected: Any) -> None:
   """ValueError where `updates` is not like the params `state` was made from, or `state` is
-  not laid out as `expected` ({group key: `group_shapes`}: another loco's settings, another
-  mesh)."""
+  not laid out as `expected` ({group key: `group_shapes`})."""
   if not isinstance(state, LocoState):
     raise ValueError(f"loco: the state must be a LocoState (from loco(...).init), got "
                      f"{type(state).__name__}")
-  if isinstance(state.signature, trees.TreeSignature):
-    state.signature.check(updates, "loco")
-  same = (jax.tree.structure(state.groups) == jax.tree.structure(expected) and
-          all(jnp.shape(a) == b.shape and jnp.result_type(a) == b.dtype
-              for a, b in zip(jax.tree.leaves(state.groups), jax.tree.leaves(expected))))
-  if not same:
-    raise ValueError(
-        f"loco: the state holds {_shapes(state.groups)}, but this gradient tree needs "
-        f"{_shapes(expected)} (one per bucket of its layout, buckets.plan). The gradient tree "
-        f"must have the structure and leaf shapes of the params the state was created from "
-        f"(init), and the state must come from a loco with the same settings.")
+  trees.check_layout("loco", state, updates, state.groups, expected)
 
 
 def error_by_leaf(state: LocoState, params: Any, block_size: int = 2048,
@@ -84,7 +62,7 @@ def error_by_leaf(state: LocoState, params: Any, block_size: int = 2048,
   if ([(tuple(e.shape), e.dtype) for e in error_buckets] != expected or
       scale_buckets is not None and [s.shape for s in scale_buckets] != [
           (rows * b,) for b in p.blocks]):
-    raise ValueError(f"error_by_leaf: the state's error holds {_shapes(error_buckets)}, but "
+    raise ValueError(f"error_by_leaf: the state's error holds {trees.arrays_of(error_buckets)}, but "
                      f"params laid out in blocks of {block_size} over {rows} rows need "
                      f"{len(expected)} arrays of shapes {[s for s, _ in expected][:4]}: pass the params, "
                      f"block_size and rows (devices on the axis) the state was made for")

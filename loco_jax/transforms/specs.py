@@ -46,10 +46,8 @@ def per_device_fields(state: Any) -> tuple[str, ...]:
 def state_specs(state: Any, axis_name: AxisName) -> Any:
   """PartitionSpecs for an optimizer state, for `jax.shard_map` over `axis_name`.
 
-  The per-device fields of the library's states (LoCo's errors, a baseline's error; yours
-  through `register_per_device`) are split over the axis: their global arrays stack every
-  device's copy. Every other leaf (step counters, adamw's state after the average) is
-  replicated.
+  Per-device fields (LoCo's errors; yours through `register_per_device`) are split over the
+  axis, every other leaf (step counters, adamw's state after the average) is replicated.
 
   Example:
     >>> state = loco_jax.loco().init(params)   # with an axis_name: created inside shard_map

@@ -119,21 +119,6 @@ def group_step(hops: Hops, grads: leaves.Leaves, group: leaves.Group, plans: tup
   return leaves.GroupResult(values, sides[0], new)
 
 
-def _check_state(state: Any, updates: Any, expected: TwoHopState) -> None:
-  """ValueError where `updates` is not like the params of `state`, or `state` not what init
-  builds for them (another two_hop's settings, another mesh)."""
-  if isinstance(state.signature, trees.TreeSignature):
-    state.signature.check(updates, "two_hop")
-  shapes = lambda s: [(f, jax.tree.structure(x), [(jnp.shape(a), jnp.result_type(a))
-                                                  for a in jax.tree.leaves(x)])
-                      for f, x in zip(TwoHopState._fields[1:7], s[1:7])]
-  for have, want in zip(shapes(state), shapes(expected)):
-    if have != want:
-      raise ValueError(f"two_hop: state.{have[0]} holds {have[2][:4]}, but this gradient tree "
-                       f"needs {want[2][:4]} (one array per bucket): the state must come from a "
-                       f"two_hop with the same settings, on the same mesh")
-
-
 def two_hop(node_axis: str = "node", local_axis: str = "local", intra: str = "reduce_scatter",
             bits: int = 4, scale: float | None = None, error_bits: int = 8,
             error_scale: float | None = None, beta: float = 0.8, reset_interval: int = 1024,
@@ -178,7 +163,7 @@ def two_hop(node_axis: str = "node", local_axis: str = "local", intra: str = "re
                        trees.TreeSignature.of(params))
 
   def update_fn(updates, state):
-    _check_state(state, updates, init_fn(updates))
+    trees.check_layout("two_hop", state, updates, state[1:7], init_fn(updates)[1:7])
     grads = leaves.split(updates, axes)
     plans1, plans2 = hops.plans(grads)
     old = {g.key: tuple(None if f is None else f[g.key] for f in state[1:7])
