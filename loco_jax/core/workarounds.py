@@ -1,7 +1,7 @@
 """XLA:CPU workarounds, in one place: what the CPU backend needs and GPU/TPU do not.
 
-Each is on where `enabled()` is, and docs/PERFORMANCE.md ("Backend workarounds") measures what
-it buys; `LOCO_JAX_WORKAROUNDS=0` turns them all off.
+Each is on where `enabled()` is, and docs/results/backend_workarounds.md measures what it buys
+and costs (experiments/workarounds_ab.py); `LOCO_JAX_WORKAROUNDS=0` turns them all off.
 """
 
 import functools
