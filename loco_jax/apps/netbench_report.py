@@ -129,11 +129,16 @@ def summarize_training(results: list[dict], hosts: int, rate: str) -> list[dict]
   return records
 
 
+def table_head(*columns: str) -> list[str]:
+  """A Markdown table's header and rule."""
+  return ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+
+
 def format_training_table(records: list[dict]) -> list[str]:
-  lines = ["| method | hosts | rate | params | step ms | compute ms | exchange ms (share) | "
-           "collectives ms | tokens/s | eval loss | predicted ms | cost model ms | "
-           "bits/param sent, payload (pred.) | overlapped |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+  lines = table_head("method", "hosts", "rate", "params", "step ms", "compute ms",
+                     "exchange ms (share)", "collectives ms", "tokens/s", "eval loss",
+                     "predicted ms", "cost model ms", "bits/param sent, payload (pred.)",
+                     "overlapped")
   for r in records:
     cost = f"{r['cost_model_step_s'] * 1e3:.1f}" if "cost_model_step_s" in r else "-"
     lines.append(
@@ -243,10 +248,9 @@ def rate_fraction(record: dict) -> float:
 
 
 def format_table(records: list[dict]) -> list[str]:
-  lines = ["| method | hosts | rate | params | step ms | cpu ms | host work ns/param | "
-           "collectives ms | wire ms (pred.) | % of rate | bits/param sent | payload | "
-           "predicted | diff |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+  lines = table_head("method", "hosts", "rate", "params", "step ms", "cpu ms",
+                     "host work ns/param", "collectives ms", "wire ms (pred.)", "% of rate",
+                     "bits/param sent", "payload", "predicted", "diff")
   for r in records:
     expected = expected_bits(r)
     diff = r["payload_bits_per_param"] / expected - 1
