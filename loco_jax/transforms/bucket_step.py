@@ -5,6 +5,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import optax
 
 from loco_jax import kernels
 from loco_jax.comm import bucketed, gathers
@@ -79,8 +80,7 @@ def group_shapes(plan: buckets.Plan, block_scales: bool, quantized_gather: bool)
 
 def init_group(plan: buckets.Plan, block_scales: bool, quantized_gather: bool) -> GroupState:
   """A group's zero state: one array per bucket."""
-  return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype),
-                      group_shapes(plan, block_scales, quantized_gather))
+  return optax.tree.zeros_like(group_shapes(plan, block_scales, quantized_gather))
 
 
 def compress_buckets(grad_buckets: list, errors: tuple, error_scales: tuple | None,

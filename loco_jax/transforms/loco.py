@@ -128,9 +128,8 @@ def init(s: LocoSettings, mode: Averaging, params: Any) -> LocoState:
   """The zero state for `params` (inside jax.shard_map when there is an axis)."""
   if trees.is_placeholder(params):
     return LocoState(jnp.zeros([], jnp.int32), *[jnp.zeros([], jnp.int8)] * 2)
-  zeros = lambda x: jnp.zeros(x.shape, x.dtype)
   groups = expected_groups(s, mode, leaves.split(params, mode.axis_name))
-  return LocoState(jnp.zeros([], jnp.int32), jax.tree.map(zeros, groups),
+  return LocoState(jnp.zeros([], jnp.int32), optax.tree.zeros_like(groups),
                    trees.TreeSignature.of(params))
 
 

@@ -13,7 +13,7 @@ import optax
 from loco_jax.comm import bucketed, gathers, wire
 from loco_jax.core import buckets, layout, leaves, local_blocks, quant, trees
 from loco_jax.transforms.bucket_step import (Averaging, average, bucket_plans, compress_buckets,
-                                             init_group, is_due)
+                                             group_shapes, is_due)
 from loco_jax.transforms.loco_state import GroupState
 from loco_jax.transforms.settings import GATHER_MODES, LocoSettings, resolve
 
@@ -150,22 +150,24 @@ def two_hop(node_axis: str = "node", local_axis: str = "local", intra: str = "re
   axes = (node_axis, local_axis)
   block_scales = settings.error_scale is None
 
+  def expected_fields(plans1: dict, plans2: dict) -> list:
+    """The shapes of the state's six fields (`_fields`) for these plans."""
+    hop1 = lambda k: group_shapes(plans1[k], block_scales, False)[:2] if intra == "loco" else ()
+    return _fields(hops, {k: (hop1(k) or (None, None)) + group_shapes(
+        plans2[k], block_scales, gather == "quantized") for k in plans1})
+
   def init_fn(params):
     if trees.is_placeholder(params):  # optax.tree_map_params's: no state here mirrors the params
       return TwoHopState(jnp.zeros([], jnp.int32), *[jnp.zeros([], jnp.int8)] * 7)
-    grads = leaves.split(params, axes)
-    plans1, plans2 = hops.plans(grads)
-    hop1 = lambda key: (init_group(plans1[key], block_scales, False)[:2] if intra == "loco"
-                        else (None, None))
-    groups = {key: hop1(key) + init_group(plans2[key], block_scales, gather == "quantized")
-              for key in plans1}
-    return TwoHopState(jnp.zeros([], jnp.int32), *_fields(hops, groups),
+    fields = expected_fields(*hops.plans(leaves.split(params, axes)))
+    return TwoHopState(jnp.zeros([], jnp.int32), *optax.tree.zeros_like(fields),
                        trees.TreeSignature.of(params))
 
   def update_fn(updates, state):
-    trees.check_layout("two_hop", state, updates, state[1:7], init_fn(updates)[1:7])
     grads = leaves.split(updates, axes)
     plans1, plans2 = hops.plans(grads)
+    trees.check_layout("two_hop", state, updates, list(state[1:7]),
+                       expected_fields(plans1, plans2))
     old = {g.key: tuple(None if f is None else f[g.key] for f in state[1:7])
            for g in grads.groups}
     mapped = grads.map_groups(lambda group: group_step(
