@@ -7,6 +7,9 @@ import statistics
 from loco_jax.apps import netbench_profile, netns, sent
 
 BITS_TOLERANCE = 0.02         # the payload within 2% of the compiled program's prediction
+# Under this many bytes a host a step, gloo's own messages (about 570 bytes a step at 2 hosts,
+# 3.5% of a 4,096-parameter fp32 all-reduce) are over 1% of the payload: it is not checked.
+MIN_CHECKED_BYTES = 64 * 1024
 
 
 def summarize(results: list[dict], hosts: int, rate: str, n_params: int, nodes: int = 1,
@@ -175,18 +178,24 @@ def _unexplained(record: dict, where: str) -> list[str]:
           if (why := sent.Sent(**counts).unexplained())]
 
 
+def payload_checked(record: dict) -> bool:
+  """Whether a host's payload is large enough a step (`MIN_CHECKED_BYTES`) to be held to the
+  compiled program's bytes."""
+  return expected_bits(record) * record["n_params"] / 8 >= MIN_CHECKED_BYTES
+
+
 def check(records: list[dict], min_rate_fraction: float) -> list[str]:
-  """The failures: a host's payload off the prediction by more than 2%, or its interface's
-  bytes not explained by the payload, headers and retransmissions; on two levels a node's bits
-  to the others off by more than 2%; a NaN output; an fp32 all-reduce under
-  `min_rate_fraction` of the nominal rate (of the inter-node links on two levels: the
-  shaper's calibration)."""
+  """The failures: a host's payload off the prediction by more than 2% (`payload_checked`), or
+  its interface's bytes not explained by the payload, headers and retransmissions; on two
+  levels a node's bits to the others off by more than 2%; a NaN output; the shaper's
+  calibration: one plain TCP stream between two hosts (across nodes on two levels) carrying
+  under `min_rate_fraction` of the nominal rate, or over all of it (no shaping)."""
   failures = []
   for r in records:
     where = f"{r['method']} at {link_setting(r)}"
     expected = expected_bits(r)
     worst = _off(r["payload_bits_per_host"], expected)
-    if worst > BITS_TOLERANCE:
+    if worst > BITS_TOLERANCE and payload_checked(r):
       failures.append(f"{where}: a host's payload was {worst:.1%} off the predicted "
                       f"{expected:.2f} bits/param{_conditional_note(r)}")
     failures += _unexplained(r, where)
@@ -197,10 +206,12 @@ def check(records: list[dict], min_rate_fraction: float) -> list[str]:
                         f"{got / want - 1:+.1%} off the predicted {want:.2f}")
     if not r["finite"]:
       failures.append(f"{where}: non-finite output")
-  for r in records:
-    if r["method"] == "fp32" and rate_fraction(r) < min_rate_fraction:
-      failures.append(f"calibration at {link_setting(r)}: the fp32 all-reduce reached "
-                      f"{rate_fraction(r):.0%} of the rate, under {min_rate_fraction:.0%}")
+  for r in {link_setting(r): r for r in records if "link_tcp_bits_per_s" in r}.values():
+    share = r["link_tcp_bits_per_s"] / nominal_rate(r)
+    if not min_rate_fraction <= share <= 1:
+      failures.append(f"calibration at {link_setting(r)}: one TCP stream between two hosts "
+                      f"carried {share:.1%} of the nominal rate (a shaped link carries "
+                      f"{min_rate_fraction:.0%} to 100%)")
   return failures
 
 
@@ -240,11 +251,14 @@ def link_setting(record: dict) -> str:
 def rate_fraction(record: dict) -> float:
   """The share of the nominal rate a method's step achieved: bits sent / step time / rate,
   of the busiest host's link, or on two levels of the busiest inter-node link."""
-  if record.get("nodes", 1) > 1:
-    bits, rate = max(record["measured_inter_bits_per_node"]), record["inter_rate"]
-  else:
-    bits, rate = max(record["measured_bits_per_host"]), record["rate"]
-  return bits * record["n_params"] / record["step_s"] / netns.rate_bits(rate)
+  bits = max(record["measured_inter_bits_per_node"] if record.get("nodes", 1) > 1
+             else record["measured_bits_per_host"])
+  return bits * record["n_params"] / record["step_s"] / nominal_rate(record)
+
+
+def nominal_rate(record: dict) -> float:
+  """Bits a second of the link the record's rate is about: the inter-node link on two levels."""
+  return netns.rate_bits(record["inter_rate"] if record.get("nodes", 1) > 1 else record["rate"])
 
 
 def format_table(records: list[dict]) -> list[str]:
@@ -260,7 +274,8 @@ def format_table(records: list[dict]) -> list[str]:
         f"{r['host_work_s'] * 1e9 / r['n_params']:.1f} | {r['collectives_s'] * 1e3:.1f} | "
         f"{r['predicted_wire_s'] * 1e3:.1f} | "
         f"{rate_fraction(r):.0%} | {r['measured_bits_per_param']:.3f} | "
-        f"{r['payload_bits_per_param']:.3f} | {expected:.3f} | {diff:+.2%} |")
+        f"{r['payload_bits_per_param']:.3f} | {expected:.3f} | {diff:+.2%}"
+        f"{'' if payload_checked(r) else ' (not checked)'} |")
   return lines
 
 

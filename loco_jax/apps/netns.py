@@ -17,6 +17,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 from typing import NamedTuple, Sequence
 
 PREFIX = "lj-"
@@ -37,6 +38,27 @@ BURST_S = 0.008
 MIN_BURST_BYTES = 128 * 1024
 MIN_BURST_ARG = 1514         # --burst: at least one full Ethernet frame, or tbf never sends it
 QUEUE_LATENCY_MS = 100
+TCP_PORT = 29417
+# A receiver of one TCP stream: prints the bytes it read, those after the first read, and the
+# seconds from the first read to the sender's close (connecting is not timed).
+_RECEIVER = """
+import socket, sys, time
+server = socket.create_server((sys.argv[1], int(sys.argv[2])))
+print("ready", flush=True)
+connection, _ = server.accept()
+first = connection.recv(1 << 20)
+start, total = time.perf_counter(), len(first)
+while chunk := connection.recv(1 << 20):
+  total += len(chunk)
+print(total, total - len(first), time.perf_counter() - start, flush=True)
+"""
+_SENDER = """
+import socket, sys
+with socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=60) as c:
+  block = bytes(1 << 20)
+  for _ in range(int(sys.argv[3]) >> 20):
+    c.sendall(block)
+"""
 
 
 def rate_bits(rate: str) -> float:
@@ -275,6 +297,34 @@ class Network:
   def exec_prefix(self, i: int) -> list[str]:
     """The command prefix that runs a program on host `i`."""
     return ["ip", "netns", "exec", self.hosts[i].namespace]
+
+  def tcp_goodput(self, src: int, dst: int, seconds: float = 2.0) -> float:
+    """Bits a second one plain TCP stream carries from host `src` to host `dst` (payload only),
+    sending about `seconds` of the nominal rate between them: what the shaped path delivers,
+    against which netbench calibrates (RuntimeError if the transfer fails or hangs)."""
+    rate = self.inter_rate if dst // self.hosts_per_node != src // self.hosts_per_node else (
+        self.rate)
+    size = max(int(rate_bits(rate) * seconds / 8) >> 20, 1) << 20
+    address, timeout = self.hosts[dst].address, 30 + 4 * seconds
+    receiver = subprocess.Popen([*self.exec_prefix(dst), sys.executable, "-c", _RECEIVER,
+                                 address, str(TCP_PORT)], stdout=subprocess.PIPE, text=True)
+    try:
+      if receiver.stdout.readline().strip() != "ready":
+        raise RuntimeError(f"tcp_goodput: the receiver on host {dst} did not start")
+      subprocess.run([*self.exec_prefix(src), sys.executable, "-c", _SENDER, address,
+                      str(TCP_PORT), str(size)], check=True, timeout=timeout,
+                     capture_output=True)
+      out, _ = receiver.communicate(timeout=timeout)
+      received, timed, elapsed = out.split()
+    except (subprocess.SubprocessError, ValueError) as e:
+      raise RuntimeError(f"tcp_goodput: {size} bytes from host {src} to host {dst} failed: "
+                         f"{e}") from e
+    finally:
+      receiver.kill()
+      receiver.wait()
+    if int(received) != size:
+      raise RuntimeError(f"tcp_goodput: host {dst} received {received} of {size} bytes")
+    return int(timed) * 8 / float(elapsed)
 
   def tx_bytes(self, i: int) -> int:
     """Bytes host `i` has sent on its link (the interface counter inside its namespace)."""
