@@ -68,7 +68,7 @@ def test_two_hosts_on_a_slow_link_send_what_the_compiled_program_says(tmp_path):
   _netbench_on_the_wire(
       ["--hosts", "2", "--rate", "20mbit", "--params", str(2**18), "--methods",
        "fp32,loco,loco-quantized", "--steps", "3", "--warmup", "1", "--exchange-only",
-       "--min-rate-fraction", "0", "--timeout", "120", "--json", str(out)])
+       "--timeout", "120", "--json", str(out)])
   records = {r["method"]: r for r in json.loads(out.read_text())}
   assert sorted(records) == ["fp32", "loco", "loco-quantized"]
   for r in records.values():
@@ -77,6 +77,7 @@ def test_two_hosts_on_a_slow_link_send_what_the_compiled_program_says(tmp_path):
     assert r["host_cpus"] == [sorted(os.sched_getaffinity(0))] * 2  # unpinned: every core
     for bits in r["payload_bits_per_host"]:
       assert abs(bits / r["predicted_bits_per_param"] - 1) <= 0.02, (r["method"], bits, r)
+    assert 0.9 * 20e6 <= r["link_tcp_bits_per_s"] <= 20e6   # the shaper's calibration held
   fp32 = records["fp32"]["measured_bits_per_param"]
   # The ring all-reduce's 2 (n-1)/n x 32; LoCo (n-1)/n x (4 + 16) with its bf16 gather (as
   # uint16: XLA:CPU would widen bf16 to 32 bits) and (n-1)/n x (4 + 4) with the quantized one.
@@ -190,6 +191,17 @@ def test_hosts_get_the_malloc_settings_unless_told_otherwise(monkeypatch):
                                         ("500kbit", 5e5)])
 def test_rates_as_tc_writes_them(rate, bits):
   assert netns.rate_bits(rate) == bits
+
+
+@pytest.mark.slow
+def test_one_tcp_stream_carries_what_the_shaper_allows():
+  reason = _namespaces_unavailable()
+  if reason:
+    pytest.skip(reason)
+  with netns.Network(3, "20mbit") as net:
+    assert 0.9 * 20e6 < net.tcp_goodput(0, 2, seconds=1.0) <= 20e6
+  with netns.Network(4, "100mbit", nodes=2, inter_rate="10mbit") as net:
+    assert 0.9 * 10e6 < net.tcp_goodput(1, 3, seconds=1.0) <= 10e6   # across the nodes
 
 
 def test_burst_is_milliseconds_of_the_rate_and_fits_a_gso_packet():

@@ -263,7 +263,7 @@ def test_two_hop_quantized_on_the_wire_sends_a_quarter_of_flat_locos_bytes_betwe
   proc, log = _run_netbench(
       "--nodes", "2", "--hosts", "4", "--rate", "1gbit", "--inter-rate", "200mbit",
       "--params", str(2**20), "--methods", "loco,two-hop-quantized", "--steps", "2",
-      "--warmup", "1", "--exchange-only", "--min-rate-fraction", "0", "--timeout", "180",
+      "--warmup", "1", "--exchange-only", "--timeout", "180",
       "--json", str(out))
   assert proc.returncode == 0, log[-3000:]   # every count within 2% of the prediction
   records = {r["method"]: r for r in json.loads(out.read_text())}
@@ -282,7 +282,7 @@ def test_two_levels_on_the_wire_the_hierarchical_all_reduce_crosses_less(tmp_pat
   proc, log = _run_netbench(
       "--nodes", "2", "--hosts", "4", "--rate", "1gbit", "--inter-rate", "100mbit",
       "--params", str(2**16), "--methods", "fp32,fp32-hier", "--steps", "3", "--warmup", "1",
-      "--exchange-only", "--min-rate-fraction", "0", "--timeout", "180", "--json", str(out))
+      "--exchange-only", "--timeout", "180", "--json", str(out))
   assert proc.returncode == 0, log[-3000:]   # every count within 2% of the prediction
   records = {r["method"]: r for r in json.loads(out.read_text())}
   flat, hier = records["fp32"], records["fp32-hier"]

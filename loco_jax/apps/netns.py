@@ -39,18 +39,20 @@ MIN_BURST_BYTES = 128 * 1024
 MIN_BURST_ARG = 1514         # --burst: at least one full Ethernet frame, or tbf never sends it
 QUEUE_LATENCY_MS = 100
 TCP_PORT = 29417
-# A receiver of one TCP stream: prints the bytes it read, those after the first read, and the
-# seconds from the first read to the sender's close (connecting is not timed).
+# A receiver of one TCP stream: prints the bytes it read, those it timed, and the seconds from
+# its first `skip` bytes (the shapers' full buckets pass at line rate) to the sender's close.
 _RECEIVER = """
 import socket, sys, time
 server = socket.create_server((sys.argv[1], int(sys.argv[2])))
 print("ready", flush=True)
 connection, _ = server.accept()
-first = connection.recv(1 << 20)
-start, total = time.perf_counter(), len(first)
+total, skip = 0, int(sys.argv[3])
+while total < skip and (chunk := connection.recv(1 << 20)):
+  total += len(chunk)
+start, untimed = time.perf_counter(), total
 while chunk := connection.recv(1 << 20):
   total += len(chunk)
-print(total, total - len(first), time.perf_counter() - start, flush=True)
+print(total, total - untimed, time.perf_counter() - start, flush=True)
 """
 _SENDER = """
 import socket, sys
@@ -304,10 +306,12 @@ class Network:
     against which netbench calibrates (RuntimeError if the transfer fails or hangs)."""
     rate = self.inter_rate if dst // self.hosts_per_node != src // self.hosts_per_node else (
         self.rate)
-    size = max(int(rate_bits(rate) * seconds / 8) >> 20, 1) << 20
+    skip = 2 * (self.burst or burst_bytes(rate))   # a bucket on each side of a bridge
+    size = max(int(rate_bits(rate) * seconds / 8), 16 * skip) >> 20 << 20
     address, timeout = self.hosts[dst].address, 30 + 4 * seconds
     receiver = subprocess.Popen([*self.exec_prefix(dst), sys.executable, "-c", _RECEIVER,
-                                 address, str(TCP_PORT)], stdout=subprocess.PIPE, text=True)
+                                 address, str(TCP_PORT), str(skip)], stdout=subprocess.PIPE,
+                                text=True)
     try:
       if receiver.stdout.readline().strip() != "ready":
         raise RuntimeError(f"tcp_goodput: the receiver on host {dst} did not start")
