@@ -150,7 +150,7 @@ def main(argv=None) -> dict:
     grads = {k: jnp.asarray(np.tile(np.asarray(x), (n, 1))) for k, x in zip(params,
                                                                                leaf_grads)}
     for name, coded_step in (("step", True), ("raw_step", False)):
-      opt = co3_module.co3("fp4", axis_name="data", exchange="all_to_all",
+      opt = co3_module.co3("fp4", axis_name="data", collective="all_to_all",
                            gather=args.gather, entropy_code=coded_step)
       state, specs = parallel.init_opt_state(opt, params, mesh)
       step = jax.jit(jax.shard_map(

@@ -47,7 +47,7 @@ def main(argv=None) -> None:
   step, state = netbench_methods.exchange_step("co3-fp4-coded", size, mesh)
   grads = jax.device_put(np.concatenate([netbench_worker._gradient(r, size) for r in range(n)]),
                          NamedSharding(mesh, PartitionSpec("data")))
-  # At 2 devices co3 all-gathers whole coded gradients (`exchange="auto"`): one kind of stream.
+  # At 2 devices co3 all-gathers whole coded gradients (`collective="auto"`): one kind of stream.
   per_shard = n > 2
   lock, lengths = threading.Lock(), []
 

@@ -125,7 +125,7 @@ def test_mesh_average_of_decoded_symbols(capacity_bits):
 
 def test_wire_bytes_of_the_all_gather_exchange():
   n_params = sum(x.size for x in jax.tree.leaves(PARAMS))
-  step, state = _mesh_step(co3("fp4", axis_name="data", exchange="all_gather"))
+  step, state = _mesh_step(co3("fp4", axis_name="data", collective="all_gather"))
   found = comm.lowered_collectives(step, _grads(0, N), state)
   always = [c for c in found if not c.conditional]
   overflow = [c for c in found if c.conditional]

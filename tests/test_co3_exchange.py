@@ -83,7 +83,7 @@ def test_mean_over_1_2_8_devices_and_a_leaf_smaller_than_the_axis(n):
   grads, sent = _grads(n, n), None
   sent = _sent(grads, n)
   step, state = _step(co3("fp4", axis_name="data",
-                          exchange="auto" if n == 1 else "all_to_all"), n)
+                          collective="auto" if n == 1 else "all_to_all"), n)
   out, state = step(grads, state)
   # bf16 gather: the float32 mean rounded once to bfloat16 (n = 1: no gather, exact).
   _assert_mean(out, sent, 2.0 ** -8 if n > 1 else 1e-6)
@@ -96,7 +96,7 @@ def test_mean_over_1_2_8_devices_and_a_leaf_smaller_than_the_axis(n):
 def test_all_gather_and_coded_gather_means():
   grads = _grads(5, 8)
   sent = _sent(grads, 8)
-  step, state = _step(co3("fp4", axis_name="data", exchange="all_gather"), 8)
+  step, state = _step(co3("fp4", axis_name="data", collective="all_gather"), 8)
   _assert_mean(step(grads, state)[0], sent, 1e-6)  # float32 mean of exact symbols
 
 @pytest.mark.parametrize("n", [3, 8])
@@ -106,7 +106,7 @@ def test_coded_gather_returns_the_exact_mean_at_the_agreed_scales(n):
     grads = jax.tree.map(lambda g: g.at[0].multiply(1e-2), grads)
   step, state = _step(co3("fp4", axis_name="data", gather="coded"), n)
   out, after = step(grads, state)
-  own_step, own_state = _step(co3("fp4", axis_name="data", exchange="all_to_all"), n)
+  own_step, own_state = _step(co3("fp4", axis_name="data", collective="all_to_all"), n)
   own = own_step(grads, own_state)[1].scale  # the bf16 gather: each device at its own scale
   scales = {k: np.asarray(after.scale[k]).reshape(n) for k in PARAMS}
   for k in PARAMS:  # every device converted at the largest of the devices' own scales,
@@ -152,7 +152,7 @@ def test_auto_picks_the_all_gather_on_two_devices():
 @pytest.fixture(scope="module")
 def per_shard():
   """One compiled 8-device per-shard step, run under different host hooks."""
-  return _step(co3("fp4", axis_name="data", exchange="all_to_all"), 8)
+  return _step(co3("fp4", axis_name="data", collective="all_to_all"), 8)
 
 
 @pytest.mark.slow
@@ -251,7 +251,7 @@ def test_a_peer_forging_sums_beyond_any_of_n_levels_makes_every_device_skip():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("exchange_kw", [dict(gather="coded"), dict(exchange="all_gather")])
+@pytest.mark.parametrize("exchange_kw", [dict(gather="coded"), dict(collective="all_gather")])
 def test_a_corrupt_gathered_stream_makes_every_device_skip(exchange_kw):
   step, state = _step(co3("fp4", axis_name="data", **exchange_kw), 8)
 

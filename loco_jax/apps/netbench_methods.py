@@ -115,7 +115,7 @@ CO3_FITTED_SLOT_BITS = {"capacity_bits": 3.0, "gather_capacity_bits": 4.1}
 
 
 def _co3(help_text: str, fmt: str, gather: str = "bf16", **slots) -> Method:
-  """CO3 at gamma 0.7 with `exchange="auto"`: the record's `exchange` says which one ran."""
+  """CO3 at gamma 0.7 with `collective="auto"`: the record's `exchange` says which one ran."""
   return Method(help_text, lambda: _lib("transforms.co3").co3(fmt, gamma=0.7, axis_name="data",
                                                                gather=gather, **slots),
                 counts=("overflows", "extended", "rejected"), gauges=("coded_bits",),

@@ -45,7 +45,7 @@ class Converted(NamedTuple):
 
 def co3(fmt: str = "fp4", gamma: float = 0.7, refit_interval: int = 100,
         entropy_code: bool = True, axis_name: layout.AxisName | None = None,
-        capacity_bits: float | None = None, gather: str = "bf16", exchange: str = "auto",
+        capacity_bits: float | None = None, gather: str = "bf16", collective: str = "auto",
         specs: Any = None, gather_capacity_bits: float | None = None
         ) -> optax.GradientTransformationExtraArgs:
   """CO3's Convert, Compress, Correct as an optax transformation; averages over `axis_name`.
@@ -53,7 +53,7 @@ def co3(fmt: str = "fp4", gamma: float = 0.7, refit_interval: int = 100,
   With `axis_name` (inside `jax.shard_map`) every device serves 1/n of every leaf: one
   all-to-all of Huffman-coded shards, a float32 average, an all-gather of the averaged shard
   (`co3_exchange`). On few devices the all-gather of whole coded gradients sends less, and
-  `exchange="auto"` takes it there (`co3_exchange.predicted_bits`).
+  `collective="auto"` takes it there (`co3_exchange.predicted_bits`).
 
   Args:
     fmt: "fp4" ([1,2,1]) or "fp8" ([1,5,2]).
@@ -69,7 +69,7 @@ def co3(fmt: str = "fp4", gamma: float = 0.7, refit_interval: int = 100,
     gather: how the per-shard exchange returns the averaged shards: "bf16", or "coded" (fp4
       on at most 21 devices: the exact sums of the devices' levels, which then agree on their
       scales, `co3_exchange.agree_scales`).
-    exchange: "auto", "all_to_all" (per shard) or "all_gather" (whole gradients).
+    collective: "auto", "all_to_all" (per shard) or "all_gather" (whole gradients).
     specs: PartitionSpecs of leaves sharded over other mesh axes (as in `loco`).
     gather_capacity_bits: bits an element of the coded gather's slots (gather="coded" only;
       default `co3_host.usual_sum_capacity_bits(n)`, extending as for `capacity_bits`).
@@ -82,7 +82,7 @@ def co3(fmt: str = "fp4", gamma: float = 0.7, refit_interval: int = 100,
     >>> updates, state = opt.update(grads, opt.init(params))
   """
   settings = co3_settings.resolve(fmt, gamma, refit_interval, entropy_code, axis_name,
-                                  capacity_bits, gather, exchange, specs, gather_capacity_bits)
+                                  capacity_bits, gather, collective, specs, gather_capacity_bits)
   return optax.GradientTransformationExtraArgs(
       local_blocks.local_init(lambda params: init(settings, params), axis_name, specs, "co3"),
       local_blocks.local_update(lambda updates, state: update(settings, updates, state),
@@ -173,7 +173,7 @@ def group_step(settings: Co3Settings, grads: leaves.Leaves, group: leaves.Group,
   n = _axis_size(settings)
   converted = convert(settings, [grads.flat(i) for i in group.indices], errors, scales, refit,
                       co3_exchange.sums_levels(settings, n))
-  run = co3_exchange.local if n == 1 else co3_exchange.exchange
+  run = co3_exchange.local if n == 1 else co3_exchange.mean_over_axis
   exchanged = run(settings, converted.symbols, converted.scales,
                   leaves.flag(grads.finite(group.indices)))
   sent = [fp.decode(q, settings.fmt, s) for q, s in zip(converted.symbols, converted.scales)]

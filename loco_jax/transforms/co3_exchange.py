@@ -8,7 +8,7 @@ again. The sum is exact because the devices agree on each leaf's scale (`agree_s
 A device sends (n-1)/n (C + 16) or (n-1)/n (C + C_sum) bits a parameter for a coded rate C.
 
 Whole-gradient exchange (`all_gather`): every device decodes and averages every device's coded
-gradient, (n-1) C bits. `exchange="auto"` picks whichever `predicted_bits` says sends less.
+gradient, (n-1) C bits. `collective="auto"` picks whichever `predicted_bits` says sends less.
 
 Status, replicated: `flag` is 0, +inf where some receiver found a stream corrupt, NaN where some
 gradient was not finite; `extended` is 1 where some slot took its extension (`comm.coded`);
@@ -76,8 +76,8 @@ def gather_reach_bits(settings: Co3Settings, n: int) -> float | None:
 
 def is_per_shard(settings: Co3Settings, n: int) -> bool:
   """Whether this axis of `n` devices runs the per-shard exchange (see the module doc)."""
-  if settings.exchange != "auto":
-    return settings.exchange == "all_to_all"
+  if settings.collective != "auto":
+    return settings.collective == "all_to_all"
   bits = settings.capacity_bits if settings.entropy_code else settings.fmt.bits
   gathered = gather_bits(settings, n)
   return predicted_bits(n, bits, gathered, True) < predicted_bits(n, bits, gathered, False)
@@ -258,8 +258,8 @@ def _per_shard(settings: Co3Settings, layouts: list, rows_NxB: jax.Array, scales
                    jnp.maximum(got.extended, gathered.extended))
 
 
-def exchange(settings: Co3Settings, symbols: list, scales: jax.Array,
-             flag: jax.Array) -> Exchanged:
+def mean_over_axis(settings: Co3Settings, symbols: list, scales: jax.Array,
+                   flag: jax.Array) -> Exchanged:
   """The mean over `settings.axis_name` of every device's decoded symbols (uint8 [size] per
   leaf), at its `scales` (float32 [leaves]); `flag` is NaN where this gradient is not finite.
   Where the coded exchange overflowed and nothing else went wrong, it runs again raw."""

@@ -8,7 +8,7 @@ from loco_jax.codecs import fp
 from loco_jax.transforms.co3_host import default_capacity_bits, usual_capacity_bits
 
 GATHERS = ("bf16", "coded")
-EXCHANGES = ("auto", "all_to_all", "all_gather")
+COLLECTIVES = ("auto", "all_to_all", "all_gather")
 FORMATS = {"fp4": fp.FP4, "fp8": fp.FP8}
 
 
@@ -21,7 +21,7 @@ class Co3Settings(NamedTuple):
   axis_name: Any
   capacity_bits: float     # per symbol, of a coded slot
   gather: str
-  exchange: str
+  collective: str
   specs: Any
   gather_capacity_bits: float | None  # per element, of the coded gather's slots (None: default)
   capacity_reach_bits: float | None = None  # per symbol, a slot with its extension (None: none)
@@ -29,7 +29,7 @@ class Co3Settings(NamedTuple):
 
 
 def resolve(fmt, gamma, refit_interval, entropy_code, axis_name, capacity_bits, gather,
-            exchange, specs, gather_capacity_bits) -> Co3Settings:
+            collective, specs, gather_capacity_bits) -> Co3Settings:
   """`co3()`'s arguments checked and resolved; ValueError naming the argument otherwise."""
   if fmt not in FORMATS:
     raise ValueError(f"fmt must be one of {tuple(FORMATS)}, got {fmt!r}")
@@ -42,18 +42,18 @@ def resolve(fmt, gamma, refit_interval, entropy_code, axis_name, capacity_bits, 
                      ("gather_capacity_bits", gather_capacity_bits)):
     if bits is not None and not 0 < bits <= 8:
       raise ValueError(f"{name} must be in (0, 8] bits per symbol or None, got {bits}")
-  if gather not in GATHERS or exchange not in EXCHANGES:
-    raise ValueError(f"gather must be one of {GATHERS} and exchange one of {EXCHANGES}, got "
-                     f"gather={gather!r}, exchange={exchange!r}")
+  if gather not in GATHERS or collective not in COLLECTIVES:
+    raise ValueError(f"gather must be one of {GATHERS} and collective one of {COLLECTIVES}, "
+                     f"got gather={gather!r}, collective={collective!r}")
   if gather_capacity_bits is not None and (gather != "coded" or not entropy_code):
     raise ValueError(f"gather_capacity_bits sizes the coded gather's slots: it needs "
                      f"gather='coded' and entropy_code=True, got gather={gather!r}, "
                      f"entropy_code={entropy_code}")
-  if axis_name is None and (gather != "bf16" or exchange != "auto"):
-    raise ValueError("gather= and exchange= choose how devices exchange: they need an "
+  if axis_name is None and (gather != "bf16" or collective != "auto"):
+    raise ValueError("gather= and collective= choose how devices exchange: they need an "
                      "axis_name")
-  if gather == "coded" and exchange == "all_gather":
-    raise ValueError("gather='coded' gathers averaged shards, which exchange='all_gather' "
+  if gather == "coded" and collective == "all_gather":
+    raise ValueError("gather='coded' gathers averaged shards, which collective='all_gather' "
                      "does not make: choose one")
   if gather == "coded" and fmt != "fp4":
     raise ValueError(f"gather='coded' sends the exact sums of the devices' fp4 levels in a "
@@ -64,6 +64,6 @@ def resolve(fmt, gamma, refit_interval, entropy_code, axis_name, capacity_bits, 
   else:
     capacity, reach = capacity_bits, None
   return Co3Settings(small_float, gamma, refit_interval, entropy_code, axis_name,
-                     float(capacity), gather, exchange, specs,
+                     float(capacity), gather, collective, specs,
                      None if gather_capacity_bits is None else float(gather_capacity_bits),
                      reach)
