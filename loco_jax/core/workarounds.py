@@ -1,6 +1,6 @@
 """XLA:CPU workarounds, in one place: what the CPU backend needs and GPU/TPU do not.
 
-Each is on where `enabled()` is, and docs/PERFORMANCE.md ("Backend workarounds") measures what
+Each is on where `enabled()` is, and docs/results/backend_workarounds.md measures what
 it buys; `LOCO_JAX_WORKAROUNDS=0` turns them all off.
 """
 
