@@ -11,7 +11,9 @@ What counts as a mention:
   must import, then resolve attribute by attribute.
 - inline code that is only a dotted name starting at a loco_jax module or public name
   (`parallel.make_train_step`, `kernels.compress_step(...)`, `Co3State.overflows`): it must
-  resolve from one module of that short name.
+  resolve from one module of that short name, or, where the first part is only a module's
+  short name, every attribute after it must be a name loco_jax defines (an object named like
+  a module: `state.overflows`).
 - inline code that is only a call (`loco(bits=4)`): the function must be a builtin, a name of
   numpy, jax, jax.numpy, jax.lax, optax or math, or a name some loco_jax module defines.
 """
@@ -79,6 +81,8 @@ def _defined_names() -> set[str]:
         names.add(node.name)
       elif isinstance(node, ast.Assign):
         names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+      elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+        names.add(node.target.id)  # a NamedTuple's or dataclass's fields too
   return names
 
 
@@ -184,7 +188,9 @@ def problem(mention: Mention, page: Path) -> str | None:
     candidates = list(SHORT.get(first, [])) + (["loco_jax." + first]
                                                if hasattr(loco_jax, first) else [])
     whys = [resolve(f"{c}.{rest}") for c in candidates]
-    return None if None in whys else "; ".join(whys)
+    if None in whys or (first not in dir(loco_jax) and set(rest.split(".")) <= DEFINED):
+      return None  # resolves; or an object named like a module (`state.overflows`) whose
+    return "; ".join(whys)  # attributes loco_jax defines
   if any(hasattr(ns, mention.text) for ns in OTHER_NAMESPACES) or mention.text in DEFINED:
     return None
   return f"{mention.text}(...) is not a name of loco_jax, the builtins, numpy, jax or optax"
@@ -218,7 +224,8 @@ def test_existing_mentions_pass():
   text = """
 See `loco_jax/core/quant.py`, loco_jax/comm/wire.py:27 and tests/test_loco.py::test_x, the
 `loco_jax.train.parallel` module, `loco_jax.loco`, `parallel.make_train_step`,
-`kernels.compress_step(skip=...)`, `Co3State.overflows`, `loco(bits=4)`, `jnp.sum(x)`,
+`kernels.compress_step(skip=...)`, `Co3State.overflows`, `state.overflows`, `loco(bits=4)`,
+`jnp.sum(x)`,
 `max(a, b)`, [the tests](../../tests/test_loco.py), loco_jax/{core,comm}/__init__.py,
 `tests/test_*.py`, [the web](https://example.com/x/y.md), runs/long/<method>/config.json,
 /tmp/bench.json, runs/demo/results.json and docs/records/.
