@@ -15,7 +15,8 @@ What counts as a mention:
   short name, every attribute after it must be a name loco_jax defines (an object named like
   a module: `state.overflows`).
 - inline code that is only a call (`loco(bits=4)`): the function must be a builtin, a name of
-  numpy, jax, jax.numpy, jax.lax, optax or math, or a name some loco_jax module defines.
+  numpy, jax, jax.numpy, jax.lax, optax or math, or a name some loco_jax module defines (its
+  functions' arguments included: `loss_fn(p, batch)` is the user's own).
 """
 
 import ast
@@ -73,12 +74,14 @@ for _name in MODULES:
 
 
 def _defined_names() -> set[str]:
-  """Every function, class and top-level assignment some loco_jax module defines."""
+  """Every function, class, argument and assignment some loco_jax module defines."""
   names = set()
   for path in PACKAGE.rglob("*.py"):
     for node in ast.walk(ast.parse(path.read_text())):
       if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
         names.add(node.name)
+      if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):  # the user's callables
+        names.update(a.arg for a in node.args.args + node.args.kwonlyargs)  # (`loss_fn(p, b)`)
       elif isinstance(node, ast.Assign):
         names.update(t.id for t in node.targets if isinstance(t, ast.Name))
       elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
@@ -149,7 +152,7 @@ def _path_problem(path: str, page: Path) -> str | None:
   if not path or any(c in path for c in "<>$") or path.startswith(("/", "~")):
     return None
   for each in _expand_braces(path):
-    if glob.glob(str(page.parent / each)) or glob.glob(str(ROOT / each)):
+    if glob.glob(os.path.normpath(page.parent / each)) or glob.glob(str(ROOT / each)):
       continue
     rel = os.path.relpath(page.parent / each, ROOT)
     if ignored(each) or (not rel.startswith("..") and ignored(Path(rel).as_posix())):
