@@ -157,7 +157,8 @@ def _path_problem(path: str, page: Path) -> str | None:
     rel = os.path.relpath(page.parent / each, ROOT)
     if ignored(each) or (not rel.startswith("..") and ignored(Path(rel).as_posix())):
       continue  # an output (runs/, a build folder): not in the repository by design
-    return f"no such file or folder from the repository's root or from {page.parent.name}/"
+    return ("no such file or folder from the repository's root or from "
+            f"{page.parent.relative_to(ROOT).as_posix()}/")
   return None
 
 
