@@ -1,6 +1,6 @@
 """CO3 experiment: GenNorm fits, Huffman bits, loss against bits; fp4/fp8 against float32 SGD."""
 
-#   python experiments/co3_experiment.py                 # default run (see docs/EXPERIMENTS_CO3.md)
+#   python experiments/co3_experiment.py                 # default run (see docs/results/co3.md)
 #   python experiments/co3_experiment.py --quick --out /tmp/co3
 #
 # Two tasks, three methods each, every method on the same data, initialisation and worker split:

@@ -1,5 +1,5 @@
-"""Three facts about XLA:CPU behind docs/PERFORMANCE.md's "A fair adamw baseline" and "What
-0.5x adamw would take": what the order of a donated step's outputs costs adamw, what YNNPACK's
+"""Three facts about XLA:CPU behind docs/results/performance.md's CPU
+section: what the order of a donated step's outputs costs adamw, what YNNPACK's
 row reductions cost when they compute their input, and the floors of LoCo's local step, its
 memory traffic without arithmetic and its arithmetic on data in cache (milliseconds and page
 faults a call, medians).

@@ -47,7 +47,7 @@ AXIS = "data"
 BASE_METHODS = ("none", "bf16", "int4-noef", "ef2", "ef3", "ef4", "loco2", "loco3", "loco4",
                 "co3-fp4")
 # The campaign of issue 27, in the order the workers take them: the two-seed pairs first, co3-fp4
-# (the slowest, docs/EXPERIMENTS.md "Long runs") early enough to run beside the others; ef3 and
+# (the slowest, docs/results/training.md "Long runs") early enough to run beside the others; ef3 and
 # ef2 last, the error feedback that loco3 and loco2 are held against.
 CAMPAIGN = (("none", 0), ("loco4", 0), ("none", 1), ("loco4", 1), ("loco4-r256", 0),
             ("co3-fp4", 0), ("loco4-r0", 0), ("ef4", 0), ("loco3", 0), ("loco2", 0), ("bf16", 0),

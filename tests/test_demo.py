@@ -56,7 +56,7 @@ def test_results_json(tiny_run):
   assert none["gradient_bits_per_param"] == pytest.approx(32.0)
   # 4 bits plus the block scales. The bucket layout (few block lengths, so few kernels to
   # compile) pads this tiny model's small leaves a little more than per-leaf blocks did: 4.125
-  # bits against 4.058 (docs/PERFORMANCE.md); on the GPT-2-shaped tree the two are level.
+  # bits against 4.058 (the per-leaf layout); on the GPT-2-shaped tree the two are level.
   assert 4.0 <= loco4["gradient_bits_per_param"] <= 4.13
   # Wire bits from the HLO: a float32 ring all-reduce sends 2 * 7/8 * 32 bits; LoCo 7/8 of its
   # 4-bit all-to-all plus 7/8 of a bfloat16 all-gather.

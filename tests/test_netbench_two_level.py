@@ -126,7 +126,7 @@ def test_the_hierarchical_all_reduce_sends_two_thirds_of_the_ring_between_nodes(
   assert bits("fp32-hier") == [32.0, 32.0]
   loco, two_hop = bits("loco"), bits("two-hop")
   assert two_hop == bits("hier-loco")
-  assert 0.6 < two_hop[0] / loco[0] < 0.65   # bf16 back across nodes: docs/NETWORK.md
+  assert 0.6 < two_hop[0] / loco[0] < 0.65   # bf16 back across nodes: docs/results/network.md
   # gather="quantized": 4 bits back across nodes as well, the stand-in's wire exactly.
   assert bits("two-hop-quantized") == bits("hier-loco-quantized")
   assert bits("two-hop-quantized")[0] / loco[0] < 0.3
@@ -270,7 +270,7 @@ def test_two_hop_quantized_on_the_wire_sends_a_quarter_of_flat_locos_bytes_betwe
   loco, quantized = records["loco"], records["two-hop-quantized"]
   assert quantized["topology"] == "nodes" and quantized["finite"], quantized
   # 4 bits out and 4 back across nodes for half a leaf a device, against flat loco's ring
-  # that crosses on two edges (docs/NETWORK.md, "Two levels").
+  # that crosses on two edges (docs/results/network.md, "Two levels").
   ratio = quantized["measured_inter_bits_per_param"] / loco["measured_inter_bits_per_param"]
   assert 0.2 < ratio < 0.3, ratio
 

@@ -203,7 +203,7 @@ def _step_candidates(n: int, backend: str, sweep: bool,
   facts, compiled = {}, {}
   # Every timed step returns its new state first: jax gives each donated buffer to the first
   # output of its shape and dtype, so with the update first adamw's mu would be written as the
-  # update and its new mu into a fresh buffer (2x adamw's time: docs/PERFORMANCE.md).
+  # update and its new mu into a fresh buffer (2x adamw's time: docs/results/performance.md).
   adamw = optax.adamw(1e-3)
   adamw_step = jax.jit(lambda grads, params, state: adamw.update(grads, state, params)[::-1],
                        donate_argnums=2)

@@ -29,7 +29,7 @@ DEFAULT_METHODS = METHODS[:7]
 # The ones --reset-interval applies to.
 LOCO_METHODS = ("loco4", "loco4-fixed", "loco2", "loco3", "loco4-entropy")
 # loco4-entropy's slots: the demo's 4-bit codes carry 1.7-1.9 bits of entropy
-# (docs/EXPERIMENTS_CO3.md); a slot that does not fit sends the step raw.
+# (docs/results/co3.md); a slot that does not fit sends the step raw.
 ENTROPY_CAPACITY_BITS = 2.5
 DESCRIPTIONS = {
     "none": "float32 all-reduce (uncompressed)",

@@ -183,4 +183,4 @@ def summary(results: Sequence[MethodResult]) -> str:
   if "ef4" in by:
     parts.append(f"classic error feedback {pct('ef4'):+.1f}%")
   return ("; ".join(parts) + ". One seed: differences under ~1% are within seed noise "
-          "(docs/EXPERIMENTS.md has the sweep).") if parts else ""
+          "(docs/results/training.md has the sweep).") if parts else ""

@@ -8,7 +8,7 @@ interface's tx_bytes over the timed steps; on two levels also every node's bytes
 on its inter-node link) against what the compiled program predicts, and the step's collectives
 alone (replayed as compiled). Then, unless --exchange-only, trains the demo's GPT end to end per
 method: tokens per second, eval loss, the step's split into compute and exchange, and the cost
-model's prediction beside it (docs/NETWORK.md). Every argument, and that --json and --png can
+model's prediction beside it (docs/results/network.md). Each argument, and that --json and --png can
 be written, is checked before anything is built. Needs root and iproute2; exits 2 saying what
 is missing otherwise.
 """
@@ -38,7 +38,7 @@ FLOAT32_COPIES = 4            # of the gradient a device holds at least (--param
 # XLA:CPU takes a step's temporaries from malloc. With glibc's defaults, blocks over its
 # (adaptive, at most 32 MiB) mmap threshold are mapped anew and page-faulted every step, and
 # freed heap is trimmed back to the kernel: at 4 hosts this took loco's 4M-parameter exchange
-# from 48-50 to 66-70 ms of CPU a host (docs/NETWORK.md). Every host gets heap that stays
+# from 48-50 to 66-70 ms of CPU a host (docs/results/network.md). Every host gets heap that stays
 # mapped, in transparent huge pages, for every method alike.
 HOST_MALLOC = ("glibc.malloc.hugetlb=1:glibc.malloc.mmap_threshold=33554432:"
                "glibc.malloc.trim_threshold=4294967296")
@@ -54,7 +54,7 @@ def _parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(
       prog="loco-jax netbench", description=__doc__.split("\n")[0],
       epilog="two levels, e.g.: loco-jax netbench --nodes 2 --hosts 4 --rate 10gbit "
-             "--inter-rate 1gbit --exchange-only (2 nodes of 2 hosts; docs/NETWORK.md)")
+             "--inter-rate 1gbit --exchange-only (2 nodes of 2 hosts; docs/results/network.md)")
   p.add_argument("--hosts", type=int, default=2,
                  help=f"hosts (namespaces, one jax process each), 2..{netns.MAX_HOSTS}")
   p.add_argument("--nodes", type=int, default=1,
@@ -99,7 +99,7 @@ def _parser() -> argparse.ArgumentParser:
                  help="the demo GPT: d_model,n_layers,d_ff,n_heads (default: 4.5M parameters)")
   p.add_argument("--batch-per-host", type=int, default=2,
                  help="sequences per host and step (2: fp32's step is 2/3 exchange at 4 hosts, "
-                      "1 Gb/s, docs/NETWORK.md)")
+                      "1 Gb/s, docs/results/network.md)")
   p.add_argument("--seq-len", type=int, default=64)
   p.add_argument("--param-gather", default="float32",
                  help=f"zero2 and fsdp's parameter gathers, one of {','.join(PARAM_GATHERS)}: "

@@ -164,7 +164,7 @@ METHODS: dict[str, Method] = {
     "two-hop-loco": Method("two_hop(intra='loco'): LoCo in the node and across nodes",
                            lambda: _two_hop(intra="loco"), "nodes"),
     # Not in the library: two_hop's hops rebuilt from public parts, with LoCo's bf16 gather
-    # across nodes (the same wire as two-hop) and with its 4-bit gather (docs/NETWORK.md).
+    # across nodes (the same wire as two-hop) and with its 4-bit gather (docs/results/network.md).
     "hier-loco": Method("float32 reduce-scatter in the node, loco across nodes on the shard, "
                         "bf16 all-gather in the node",
                         lambda: hierarchical(lambda: _lib("transforms.loco").loco(

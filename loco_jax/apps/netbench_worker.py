@@ -18,7 +18,7 @@ from loco_jax.apps import netbench_methods, netbench_profile, netns
 from loco_jax.apps import sent as counters
 
 # A task whose heartbeats stop this long fails the job: 30 s failed a run on busy cores
-# (docs/NETWORK.md). A host that dies is seen at once by netbench (its exit), one that hangs by
+# (a two-level run). A host that dies is seen at once by netbench (its exit), one that hangs by
 # --timeout.
 HEARTBEAT_TIMEOUT_S = 120
 

@@ -2,7 +2,7 @@
 
 The wire format of CO3's coded exchange: `Z_HUFFMAN_ONLY` deflate, one code table per block of
 about 32K bytes and no LZ77 match. zlib-ng writes the streams and libdeflate reads them
-(docs/EXPERIMENTS_CO3.md); Python's zlib reads ours and we read its. fp4 symbols travel in
+(docs/results/co3.md); Python's zlib reads ours and we read its. fp4 symbols travel in
 pairs, one byte each pair, which closes most of Huffman's gap to the entropy.
 
 Stream: "LD", version 1, the byte count (LEB128 varint), the CRC32 of the bytes (4 bytes,
@@ -23,7 +23,7 @@ MAGIC = b"LD"
 VERSION = 1
 # Deflate blocks: zlib ends one every 2**(MEM_LEVEL + 6) - 1 bytes; a dynamic block's header
 # (its code lengths, themselves Huffman-coded) takes about BLOCK_HEADER_BYTES for 257 letters
-# (docs/EXPERIMENTS_CO3.md). `overhead` is what a slot reserves, not a bound: a stream that
+# (docs/results/co3.md). `overhead` is what a slot reserves, not a bound: a stream that
 # does not fit is sent raw (comm.coded), so nothing is lost where it is short.
 MEM_LEVEL = 9
 BLOCK_BYTES = (1 << (MEM_LEVEL + 6)) - 1

@@ -2,7 +2,7 @@
 
 Why: over gloo (XLA:CPU across processes) the two directions of a TCP pair take turns, so a
 large collective moves at about half the duplex rate; cut into a sequence of smaller ones, an
-all-to-all came back to ~90% of a 1 Gb/s link (docs/NETWORK.md). Each collective costs a few
+all-to-all came back to ~90% of a 1 Gb/s link (docs/results/network.md). Each collective costs a few
 milliseconds to set up, so a piece must not be too small either.
 
 `chunk_bytes()` chunks cross-process CPU collectives at DEFAULT_CPU_CHUNK_BYTES a peer and runs
@@ -11,7 +11,7 @@ LOCO_JAX_WIRE_CHUNK_BYTES (a byte count, or "none"). The pieces are separate col
 bytes add up to the whole one's, and the result is the same bit for bit.
 
 `reduce_scatter` where pieces are cut is an all-to-all and a local sum: gloo's own sends +8.7%
-more bytes at 4 hosts (docs/NETWORK.md).
+more bytes at 4 hosts (docs/results/network.md).
 """
 
 import contextlib
@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 AxisName = str | tuple[str, ...]
 ENV = "LOCO_JAX_WIRE_CHUNK_BYTES"
-# 2 hosts, all-to-all at 1 Gb/s / 100 Mb/s: 256 KB pieces (see docs/NETWORK.md for the sweep).
+# 2 hosts, all-to-all at 1 Gb/s / 100 Mb/s: 256 KB pieces (docs/results/network.md has the sweep).
 DEFAULT_CPU_CHUNK_BYTES = 256 * 1024
 _override: list[int | None] = []
 

@@ -80,8 +80,7 @@ def _short_blocks(rests: list[int], full: int, has_full: bool,
   lengths in all with `full` where a row holds a full block: the fewest lengths that send the
   remainders within `_SPARE_BYTES` x `row_bytes` (a row of every leaf) of the fewest bytes.
   Each length is a bucket, and each bucket a set of kernels to compile: a length that saves
-  almost no bytes costs more compile time than it saves on the wire (docs/PERFORMANCE.md, "One
-  short-block bucket")."""
+  almost no bytes costs more compile time than it saves (docs/results/performance.md)."""
   candidates = [8 * 2 ** k for k in range(16) if 8 * 2 ** k < full] or [full]
   leaves_with = collections.Counter(r for r in rests if r)
   options = []

@@ -15,7 +15,7 @@ IMPLEMENTATIONS = ("auto", "jnp", "pallas")
 # Pallas tiles: scale blocks per program instance (each tile row is one whole scale block, so
 # the absmax never crosses program instances) and Triton warps per instance.
 # On an H200 one block of 2048 with 4 warps ran fastest (2**28 values: 0.75 ms; 2 blocks 0.79;
-# 4 blocks with 8 warps 3.8 ms on 2**30 against 3.3 for one block; docs/PERFORMANCE.md).
+# 4 blocks with 8 warps 3.8 ms on 2**30 against 3.3 for one block; docs/results/performance.md).
 TILE_BLOCKS = {"gpu": 1, "tpu": 32, "cpu": 8}
 NUM_WARPS = 4
 # On GPU, buckets of shorter blocks (a small leaf's remainder) take the jnp path.
@@ -189,7 +189,7 @@ def dequantize_planes(word: jax.Array, scale: jax.Array, bits: int,
 # on CPU, a loop over the peers. XLA:CPU compiles the unrolled sum as kernels per peer (a slice
 # at a constant peer index is a distinct kernel: 8 peers x 3 buckets of the GPT-2-shaped tree
 # added ~1 s to the mesh step's compile) and ran it 2.5-3.5x slower than the loop (8 peers of
-# 2**21 values, 33.5 ms against 9.7-13.3 ms; docs/PERFORMANCE.md).
+# 2**21 values, 33.5 ms against 9.7-13.3 ms; docs/results/performance.md).
 UNROLLED_PEERS = 64
 
 

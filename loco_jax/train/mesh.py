@@ -88,7 +88,7 @@ def auto_mesh(mesh: Mesh) -> Mesh:
   """The same devices and axes, every axis Auto: the mesh the train steps' shard_maps run on.
 
   jax 0.10.2 all-gathers, at a shard_map's boundary, an input that is Explicit-sharded over an
-  axis the shard_map leaves to the compiler (docs/SHARDED.md); over Auto axes it does not.
+  axis the shard_map leaves to the compiler (docs/results/sharded.md); over Auto axes it does not.
   """
   return mesh.update(axis_types=(AxisType.Auto,) * len(mesh.axis_names))
 

@@ -65,7 +65,7 @@ def co3(fmt: str = "fp4", gamma: float = 0.7, refit_interval: int = 100,
       step's exchange raw (lossless, `state.overflows`). Default: slots of
       `co3_host.usual_capacity_bits(fmt)` that extend to `co3_host.default_capacity_bits(fmt)`
       on the steps that need it (`state.extended`); a given size has no extension
-      (docs/EXPERIMENTS_CO3.md).
+      (docs/results/co3.md).
     gather: how the per-shard exchange returns the averaged shards: "bf16", or "coded" (fp4
       on at most 21 devices: the exact sums of the devices' levels, which then agree on their
       scales, `co3_exchange.agree_scales`).

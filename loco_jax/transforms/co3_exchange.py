@@ -115,7 +115,7 @@ def check_sum_gather(fmt: fp.FloatFormat, n: int) -> None:
 # coarsest, the devices with the smaller gradients lose more of their values to fp4's dead zone
 # (which error feedback with gamma < 1 returns only in part) than the larger ones lose to
 # saturation at the finest: the demo's eval loss over 8 seeds, 2.138 against 2.030 (own scales
-# with the bf16 gather: 2.059; docs/EXPERIMENTS_CO3.md). The bound keeps a device whose leaf is
+# with the bf16 gather: 2.059; docs/results/co3.md). The bound keeps a device whose leaf is
 # nearly zero (a huge scale) from saturating every other device's.
 AGREED_SCALE_SPAN = 4.0
 

@@ -50,7 +50,7 @@ def default_capacity_bits(fmt: fp.FloatFormat) -> float:
 
   fp8 reserves LEAF_MIXTURE_MARGIN_BITS more: one code table codes a shard of every leaf, and
   fp8's leaves sit on different binades, a mixture no per-leaf model sees; sized to the model
-  alone its slots sent nearly every step raw (docs/EXPERIMENTS_CO3.md). fp4's leaves share six
+  alone its slots sent nearly every step raw (docs/results/co3.md). fp4's leaves share six
   magnitudes.
   """
   return _capacity(fmt, BETAS)

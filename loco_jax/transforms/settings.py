@@ -3,7 +3,7 @@
 `loco` and `two_hop` resolve their arguments here once, when the transformation is built.
 
 Arguments left at None take the default for `bits` (chosen by the sweep in
-docs/EXPERIMENTS.md, "Low-bit LoCo"):
+docs/results/training.md, "Low-bit LoCo"):
 
   bits     scale_method  clip_rms  block_size  beta  error_bits   payload bits/param
   2        rms           1.5       128         0.8   8            2 + 32/128 = 2.25

@@ -80,7 +80,7 @@ def intra_node(hops: Hops, grads: leaves.Leaves, group: leaves.Group, plan: buck
     local = plan.rows
     down, up = quant.mean_factors(local)  # a sum of g / 2**k: finite g never overflow it
     # wire.reduce_scatter: one all-to-all in pieces on gloo, where a whole reduce-scatter runs
-    # well below the link's rate (docs/NETWORK.md, "Two levels").
+    # well below the link's rate (docs/results/network.md, "Two levels").
     shards = [None if g is None else quant.saturate(wire.reduce_scatter(
         layout.shard_rows(g * down, layout.leaf_layout(g.size, local, None)),
         hops.local_axis).reshape(-1) * up) for g in flat]
