@@ -78,7 +78,7 @@ def gather_bf16(shards: Sequence[jax.Array], side: jax.Array,
                 axis_name: AxisName) -> tuple[list[jax.Array], jax.Array]:
   """ONE all-gather of float32 shards in bfloat16 (saturating; 16 bits a value on every
   backend) with float32 `side` numbers (a flag, a status): [k] each -> [n, k] float32, row j
-  device j's, and every device's side numbers, [n, *side.shape]."""
+  device j's, and every device's side numbers, `[n, *side.shape]`."""
   parts = [quant.saturate(s.reshape(1, -1), jnp.bfloat16).astype(jnp.bfloat16) for s in shards]
   buffer, parts = framing.frame(parts + [side.astype(jnp.float32)[None]], jnp.uint16)
   *values, sides = framing.unframe(wire.all_gather(buffer, axis_name), parts)

@@ -256,6 +256,7 @@ def pack(q: jax.Array, bits: int) -> jax.Array:
   For bits in {1, 2, 4, 8} a byte holds 8 // bits values (two 4-bit values per byte); values are
   taken plane by plane (element j and j + L/2 share a byte at 4 bits) so the work is contiguous.
   Other widths use bit planes: 8 values fill `bits` bytes, byte b holding bit b of each value.
+
   Example:
     >>> pack(jnp.zeros((4, 16), jnp.int8), 4).shape
     (4, 8)

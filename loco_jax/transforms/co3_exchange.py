@@ -98,7 +98,7 @@ def level_unit(fmt: fp.FloatFormat) -> float:
 
 
 def max_sum(fmt: fp.FloatFormat, n: int) -> int:
-  """The largest |sum| of n devices' levels, in units of 1 / level_unit."""
+  """The largest `|sum|` of n devices' levels, in units of 1 / level_unit."""
   return int(n * fp.max_value(fmt) * level_unit(fmt))
 
 
