@@ -26,7 +26,7 @@ def axis_size(axis_name: AxisName, caller: str = "loco") -> int:
 # XLA:CPU's collectives carry 16-bit floats as 32 bits on the wire (its compiled program
 # converts them to f32 around the collective); their bit patterns as uint16 cross at 16 bits.
 # GPU (NCCL) and TPU (ICI) collectives move bf16 as it is.
-WIDENING_BACKENDS = ("cpu",)
+WIDENING_BACKENDS = ("cpu",)  #: backends whose collectives send 16-bit floats as 32 bits
 _FLOAT16 = (jnp.bfloat16, jnp.float16)
 
 
