@@ -11,12 +11,12 @@ from scipy import special
 
 from loco_jax.codecs import fp
 
-ArrayLike = Any  # numpy or jax array
+ArrayLike = Any  #: numpy or jax array
 
-# Shapes the fit searches: 0.05 is a spike at zero, 20 is close to uniform.
+#: Shapes the fit searches: 0.05 is a spike at zero, 20 is close to uniform.
 BETA_RANGE = (0.05, 20.0)
-# Shapes the distribution functions accept: beyond them 1/beta or beta overflows the special
-# functions' float64 arithmetic, and no gradient is that shape.
+#: Shapes the distribution functions accept: beyond them 1/beta or beta overflows the special
+#: functions' float64 arithmetic, and no gradient is that shape.
 BETA_LIMITS = (1e-3, 1e3)
 
 

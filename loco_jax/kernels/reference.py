@@ -6,7 +6,7 @@ import numpy as np
 
 from loco_jax.core import quant
 
-# A few float32 roundings, relative: what separates a float32 implementation from float64.
+#: A few float32 roundings, relative: what separates a float32 implementation from float64.
 ULP = 2.0 ** -21
 
 

@@ -21,7 +21,7 @@ class Sent(NamedTuple):
   flags: jax.Array        # the peers' flags summed, replicated
 
 
-# codec(hs, flag, axis_name) -> Sent; without an axis, means = decoded.
+#: codec(hs, flag, axis_name) -> Sent; without an axis, means = decoded.
 Codec = Callable[[list, jax.Array, AxisName | None], Sent]
 
 

@@ -31,7 +31,7 @@ from loco_jax.core import layout, leaves, quant
 from loco_jax.transforms import co3_host
 from loco_jax.transforms.co3_settings import Co3Settings
 
-CODER = huffman_deflate  # the wire coder, a comm.coded.ByteCoder
+CODER = huffman_deflate  #: the wire coder, a comm.coded.ByteCoder
 
 
 class Exchanged(NamedTuple):
