@@ -21,7 +21,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 UNPINNED = ("loco-jax", "pip", "setuptools", "wheel")  # the package; what builds it
-DEV_ONLY = ("pytest", "hypothesis", "nbclient", "matplotlib")  # the dev extra's, not runtime
+DEV_ONLY = ("pytest", "hypothesis", "nbclient", "matplotlib", "jupytext",  # the dev extra's
+            "sphinx", "myst_nb")  # and the docs extra's, not runtime
 
 
 def _readme_first_example() -> str:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
+from tqdm import tqdm
 
 from loco_jax.apps import demo_output
 from loco_jax.apps.demo_output import MethodResult
@@ -333,13 +334,14 @@ def evaluate(loss_fn: Callable, params: Any, eval_KxBxL: np.ndarray, mesh) -> fl
 
 
 def run_method(name: str, compressor, config: DemoConfig, corpus: Corpus,
-               progress: demo_output.Progress | None = None, optimizer=None, mode: str = "ddp",
+               progress: tqdm | None = None, optimizer=None, mode: str = "ddp",
                observe: Callable[[Any, int], None] | None = None,
                **step_kwargs: Any) -> MethodResult:
   """Trains the demo model with `compressor` averaging the gradients over the devices.
 
   `mode` and `step_kwargs` go to `parallel.make_train_step` ("zero2" needs a compressor with
-  reduce-scatter semantics); `observe(state, step)` is called after every step.
+  reduce-scatter semantics); `observe(state, step)` is called after every step, and `progress`,
+  a tqdm bar, advances one step at a time.
 
   Example:
     >>> config = DemoConfig(steps=20)
@@ -376,8 +378,10 @@ def run_method(name: str, compressor, config: DemoConfig, corpus: Corpus,
           error=None, scale=None)))
     if observe:
       observe(state, i + 1)
-    if progress:
-      progress.update(name, i + 1, losses[-1], times[-1])
+    if progress is not None:
+      progress.set_postfix(loss=f"{losses[-1]:.3f}", ms_step=f"{times[-1] * 1e3:.0f}",
+                           refresh=False)
+      progress.update()
   final = state.params if mode == "ddp" else parallel.unshard_params(state.params, params)
   tail = losses[-max(len(losses) // 10, 1):]
   co3 = (co3_record(co3_states, found, n_params, config.devices, CO3_METHODS[name][1])
@@ -605,23 +609,26 @@ def _train_and_write(config: DemoConfig, methods: list[str], unavailable: dict[s
                      corpus: Corpus, out: Path, staging: Path) -> int:
   _, params, _ = make_model(config)
   from loco_jax.apps.models import num_params
-  progress = demo_output.Progress(methods, config.steps)
   reset = ""
   if set(methods) & set(LOCO_METHODS):
     reset = (f"; LoCo's error reset every {config.reset_interval} steps" if config.reset_interval
              else "; LoCo's error never reset")
-  progress.note(
+  print(
       f"loco-jax demo: {num_params(params):,}-parameter byte-level GPT on {corpus.source}, "
       f"{config.devices} devices x {config.batch_per_device} sequences x {config.seq_len} "
       f"tokens, {config.steps} steps per method, adamw lr {config.lr:g}, seed {config.seed}; "
       f"methods: {', '.join(methods)}{reset}" +
-      "".join(f"\n  {m} unavailable: {why}" for m, why in unavailable.items()))
+      "".join(f"\n  {m} unavailable: {why}" for m, why in unavailable.items()),
+      file=sys.stderr, flush=True)
   results = []
   start = time.perf_counter()
   try:
-    for method in methods:
-      results.append(run_method(method, make_compressor(method, config), config, corpus,
-                                progress))
+    for i, method in enumerate(methods):
+      # One bar a method on stderr: "[2/3] loco4: 40%|####      | 80/200 [..., loss=..., ...]".
+      with tqdm(total=config.steps, desc=f"[{i + 1}/{len(methods)}] {method}", unit="step",
+                file=sys.stderr, dynamic_ncols=True) as bar:
+        results.append(run_method(method, make_compressor(method, config), config, corpus,
+                                  bar))
   except KeyboardInterrupt:
     print("\nloco-jax demo: interrupted; nothing written", file=sys.stderr)
     return 130

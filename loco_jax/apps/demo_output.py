@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import math
-import sys
-import time
 from pathlib import Path
 from typing import Any, NamedTuple, Sequence
 
@@ -37,41 +35,6 @@ class MethodResult(NamedTuple):
     finite = lambda v: v if not isinstance(v, float) or math.isfinite(v) else None
     record = {k: finite(getattr(self, k)) for k in RESULT_KEYS}
     return record if self.co3 is None else {**record, "co3": self.co3}
-
-
-class Progress:
-  """A one-line progress bar on stderr (redrawn in place on a terminal, every 10% otherwise)."""
-
-  def __init__(self, methods: Sequence[str], steps: int, stream=None, width: int = 24):
-    self.methods, self.steps, self.width = list(methods), steps, width
-    self.stream = stream or sys.stderr
-    self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
-    self.start = time.perf_counter()
-    self.done_steps = 0
-    self._last_decile = -1
-
-  def update(self, method: str, step: int, loss: float, step_s: float) -> None:
-    index = self.methods.index(method)
-    self.done_steps = index * self.steps + step
-    total = len(self.methods) * self.steps
-    elapsed = time.perf_counter() - self.start
-    eta = elapsed / self.done_steps * (total - self.done_steps)
-    filled = round(self.width * step / self.steps)
-    bar = "#" * filled + "-" * (self.width - filled)
-    line = (f"[{index + 1}/{len(self.methods)}] {method:<11} [{bar}] {step:>5}/{self.steps} "
-            f"loss {loss:6.3f}  {step_s * 1e3:5.0f} ms/step  elapsed {clock(elapsed)} "
-            f"eta {clock(eta)}")
-    if self.tty:
-      self.stream.write("\r" + line + ("\n" if step == self.steps else ""))
-      self.stream.flush()
-    else:
-      decile = 10 * step // self.steps
-      if decile != self._last_decile or step == self.steps:
-        self._last_decile = 0 if step == self.steps else decile
-        print(line, file=self.stream, flush=True)
-
-  def note(self, text: str) -> None:
-    print(text, file=self.stream, flush=True)
 
 
 def clock(seconds: float) -> str:

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-ArrayLike = Any  # numpy or jax array, or a Python/numpy number
+ArrayLike = Any  #: numpy or jax array, or a Python/numpy number
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,8 +50,8 @@ class FloatFormat:
     return 2 ** (self.exponent_bits - 1) - 1
 
 
-FP4 = FloatFormat(2, 1)  # levels {0, ±0.5, ±1, ±1.5, ±2, ±3}
-FP8 = FloatFormat(5, 2)  # max 57344, smallest subnormal 2**-16
+FP4 = FloatFormat(2, 1)  #: levels {0, ±0.5, ±1, ±1.5, ±2, ±3}
+FP8 = FloatFormat(5, 2)  #: max 57344, smallest subnormal 2**-16
 
 
 @functools.lru_cache(maxsize=None)

@@ -11,17 +11,17 @@ from scipy import special
 
 from loco_jax.codecs import fp
 
-ArrayLike = Any  # numpy or jax array
+ArrayLike = Any  #: numpy or jax array
 
-# Shapes the fit searches: 0.05 is a spike at zero, 20 is close to uniform.
+#: Shapes the fit searches: 0.05 is a spike at zero, 20 is close to uniform.
 BETA_RANGE = (0.05, 20.0)
-# Shapes the distribution functions accept: beyond them 1/beta or beta overflows the special
-# functions' float64 arithmetic, and no gradient is that shape.
+#: Shapes the distribution functions accept: beyond them 1/beta or beta overflows the special
+#: functions' float64 arithmetic, and no gradient is that shape.
 BETA_LIMITS = (1e-3, 1e3)
 
 
 class GenNormFit(NamedTuple):
-  """Density beta / (2 alpha Gamma(1/beta)) exp(-(|x - loc| / alpha)**beta).
+  """Density `beta / (2 alpha Gamma(1/beta)) exp(-(|x - loc| / alpha)**beta)`.
 
   beta = 2 is a normal with sigma = alpha / sqrt(2); beta = 1 is a Laplace with scale alpha.
   """
@@ -67,7 +67,7 @@ def cdf(x: ArrayLike, beta: float, alpha: float, loc: float = 0.0) -> np.ndarray
 def ppf(quantile: ArrayLike, beta: float, alpha: float, loc: float = 0.0) -> np.ndarray:
   """GenNorm quantile function (inverse cdf); 0 and 1 map to -inf and +inf.
 
-  t = (|x - loc| / alpha)**beta solves P(1 / beta, t) = |2 quantile - 1|, through whichever of
+  `t = (|x - loc| / alpha)**beta` solves `P(1 / beta, t) = |2 quantile - 1|`, through whichever of
   P and Q = 1 - P is small. Parameters are checked as in `cdf`; quantiles outside [0, 1] give NaN.
 
   Example:
@@ -100,7 +100,7 @@ def _log_gamma_quantile(a: float, p: np.ndarray, q: np.ndarray) -> np.ndarray:
 
 def sample(key_or_rng: Any, beta: float, alpha: float, shape: tuple[int, ...],
            loc: float = 0.0) -> ArrayLike:
-  """GenNorm samples: |x - loc| = alpha * G**(1/beta), G ~ Gamma(1/beta), random sign.
+  """GenNorm samples: `|x - loc| = alpha * G**(1/beta)`, `G ~ Gamma(1/beta)`, random sign.
 
   A jax PRNG key gives a float32 jax array; a numpy Generator or an int seed gives a float64
   numpy array. beta must be in BETA_LIMITS, alpha > 0 and loc finite (ValueError otherwise).
@@ -125,9 +125,9 @@ def sample(key_or_rng: Any, beta: float, alpha: float, shape: tuple[int, ...],
 def fit(x: ArrayLike, loc: float | None = 0.0, beta: float | None = None) -> GenNormFit:
   """Maximum-likelihood GenNorm fit of the values of x.
 
-  Given beta, alpha = (beta * mean(|x - loc|**beta))**(1/beta); beta, in BETA_RANGE,
+  Given beta, `alpha = (beta * mean(|x - loc|**beta))**(1/beta)`; beta, in BETA_RANGE,
   maximises the profile likelihood (safeguarded Newton steps from the moments' estimate).
-  x must be finite, with two non-zero |x - loc| and a normal float64 alpha (else ValueError).
+  x must be finite, with two non-zero `|x - loc|` and a normal float64 alpha (else ValueError).
   loc None is the median; a given beta (2.0: a normal, 1.0: a Laplace) is in BETA_LIMITS.
 
   Example:

@@ -28,7 +28,7 @@ VERSION = 1
 MEM_LEVEL = 9
 BLOCK_BYTES = (1 << (MEM_LEVEL + 6)) - 1
 BLOCK_HEADER_BYTES = 128
-# magic, version, a varint of up to 2**35, the CRC32, deflate's final empty block
+#: magic, version, a varint of up to 2**35, the CRC32, deflate's final empty block
 HEADER_BYTES = 2 + 1 + 5 + 4 + 8
 
 

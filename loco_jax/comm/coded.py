@@ -60,7 +60,7 @@ def _decode(slots_NxC: jax.Array, lengths: jax.Array, own_B: jax.Array, me: jax.
   return leaves.vary_like(out, slots_NxC)
 
 
-# The named scope of the extensions' collectives, which `is_extension` finds in the HLO.
+#: The named scope of the extensions' collectives, which `is_extension` finds in the HLO.
 EXTENSION_SCOPE = "coded_slot_extension"
 
 

@@ -27,7 +27,7 @@ def to_bytes(x: jax.Array) -> jax.Array:
 
 
 def from_bytes(b: jax.Array, dtype, shape: Sequence[int] = (-1,)) -> jax.Array:
-  """Inverse of `to_bytes`: [rows, nbytes] uint8 -> [rows, *shape] of `dtype`."""
+  """Inverse of `to_bytes`: [rows, nbytes] uint8 -> `[rows, *shape]` of `dtype`."""
   dtype = np.dtype(dtype)
   rows = b.shape[0]
   if dtype.itemsize == 1:
@@ -36,7 +36,7 @@ def from_bytes(b: jax.Array, dtype, shape: Sequence[int] = (-1,)) -> jax.Array:
 
 
 def frame(parts: Sequence[jax.Array], unit=jnp.uint8) -> tuple[jax.Array, list[Part]]:
-  """[rows, ...] arrays (one row count) -> (their bytes [rows, ...] as `unit`s, what `unframe`
+  """[rows, ...] arrays (one row count) -> (their bytes [rows, ...] in `unit` words, what `unframe`
   needs). A wider `unit` (its size dividing a row's bytes) shows the wire's values as they are:
   uint16 for 16-bit floats, int32 for indices and float32 values."""
   layout = [Part(np.dtype(p.dtype), tuple(p.shape[1:])) for p in parts]
@@ -53,6 +53,6 @@ def cut(x: jax.Array, widths: Sequence[int]) -> list[jax.Array]:
 
 
 def unframe(buffer: jax.Array, layout: Sequence[Part]) -> list[jax.Array]:
-  """Inverse of `frame` on a received buffer [rows', ...]: each part as [rows', *shape]."""
+  """Inverse of `frame` on a received buffer [rows', ...]: each part as `[rows', *shape]`."""
   return [from_bytes(b, p.dtype, p.shape)
           for b, p in zip(cut(to_bytes(buffer), [p.nbytes for p in layout]), layout)]

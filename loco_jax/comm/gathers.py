@@ -26,7 +26,7 @@ def axis_size(axis_name: AxisName, caller: str = "loco") -> int:
 # XLA:CPU's collectives carry 16-bit floats as 32 bits on the wire (its compiled program
 # converts them to f32 around the collective); their bit patterns as uint16 cross at 16 bits.
 # GPU (NCCL) and TPU (ICI) collectives move bf16 as it is.
-WIDENING_BACKENDS = ("cpu",)
+WIDENING_BACKENDS = ("cpu",)  #: backends whose collectives send 16-bit floats as 32 bits
 _FLOAT16 = (jnp.bfloat16, jnp.float16)
 
 
@@ -78,7 +78,7 @@ def gather_bf16(shards: Sequence[jax.Array], side: jax.Array,
                 axis_name: AxisName) -> tuple[list[jax.Array], jax.Array]:
   """ONE all-gather of float32 shards in bfloat16 (saturating; 16 bits a value on every
   backend) with float32 `side` numbers (a flag, a status): [k] each -> [n, k] float32, row j
-  device j's, and every device's side numbers, [n, *side.shape]."""
+  device j's, and every device's side numbers, `[n, *side.shape]`."""
   parts = [quant.saturate(s.reshape(1, -1), jnp.bfloat16).astype(jnp.bfloat16) for s in shards]
   buffer, parts = framing.frame(parts + [side.astype(jnp.float32)[None]], jnp.uint16)
   *values, sides = framing.unframe(wire.all_gather(buffer, axis_name), parts)

@@ -52,6 +52,7 @@ def chunk_bytes(backend: str | None = None, processes: int | None = None) -> int
 
   The innermost `chunking(...)` wins, then LOCO_JAX_WIRE_CHUNK_BYTES, then the backend's
   default: DEFAULT_CPU_CHUNK_BYTES for CPU collectives across processes (gloo), else None.
+
   Example:
     >>> from loco_jax.comm import wire
     >>> with wire.chunking(1 << 20):

@@ -3,11 +3,13 @@
 A leaf sharded over axes that the transformation does not average over (a 'model' axis) is
 compressed block by block; only a 4-byte flag crosses those axes, so every shard keeps or skips
 a non-finite step together. The block is found from:
+
   (a) manual axes: the caller's jax.shard_map is manual over 'model' too, the leaf is local;
   (b) Explicit axes (`jax.typeof(g).sharding.spec`): `local_update` and `local_init` run the
       step in a nested jax.shard_map over them;
   (c) Auto axes: the transformation's `specs=` or the `leaf_specs` context manager tells the
       specs, and it runs as in (b). Told nothing, it flattens whole leaves and warns once.
+
 A leaf's state follows its layout: flat per-leaf state is sharded over all the leaf's axes,
 per-group state (LoCo's buckets) over its group's axes.
 """

@@ -4,18 +4,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# A block whose absmax is below this is flushed to zero: qmax / absmax would overflow float32
-# to inf there, and 0 * inf = NaN (blocks that stop receiving gradient decay towards it).
+#: A block whose absmax is below this is flushed to zero: qmax / absmax would overflow float32
+#: to inf there, and 0 * inf = NaN (blocks that stop receiving gradient decay towards it).
 VANISHING = float(np.finfo(np.float32).tiny) * 256.0
 
-PACK_UNIT = 8  # values per packing unit: 8 p-bit values fill exactly p bytes, for every p.
+PACK_UNIT = 8  #: values per packing unit: 8 p-bit values fill exactly p bytes, for every p.
 
-# The smallest normal float32, 2**-126. A block scale qmax / max|x| falls below it on blocks
-# above qmax * 2**126 (8.5e37 at 1 and 2 bits, 2.6e38 at 3; never at 4 bits and more) and is
-# then kept as the subnormal float32 it is (21 bits or more: s >= 1 / float32 max > 2**-128),
-# never as an operand: XLA:CPU reads subnormal operands as 0 (1 / 3e-39 gave inf, 3e-39 > 0
-# False) and GPUs may flush them. `scale_of`, `positive_scale`, `scale_split` and `reciprocal`
-# work from its bits instead.
+#: The smallest normal float32, 2**-126. A block scale qmax / max|x| falls below it on blocks
+#: above qmax * 2**126 (8.5e37 at 1 and 2 bits, 2.6e38 at 3; never at 4 bits and more) and is
+#: then kept as the subnormal float32 it is (21 bits or more: s >= 1 / float32 max > 2**-128),
+#: never as an operand: XLA:CPU reads subnormal operands as 0 (1 / 3e-39 gave inf, 3e-39 > 0
+#: False) and GPUs may flush them. `scale_of`, `positive_scale`, `scale_split` and `reciprocal`
+#: work from its bits instead.
 TINY = float(np.finfo(np.float32).tiny)
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 _SUBNORMAL_BITS = 1 << 23  # bit patterns below it (and above 0) are the positive subnormals
@@ -256,6 +256,7 @@ def pack(q: jax.Array, bits: int) -> jax.Array:
   For bits in {1, 2, 4, 8} a byte holds 8 // bits values (two 4-bit values per byte); values are
   taken plane by plane (element j and j + L/2 share a byte at 4 bits) so the work is contiguous.
   Other widths use bit planes: 8 values fill `bits` bytes, byte b holding bit b of each value.
+
   Example:
     >>> pack(jnp.zeros((4, 16), jnp.int8), 4).shape
     (4, 8)

@@ -11,19 +11,19 @@ import numpy as np
 
 from loco_jax.core import leaves, quant
 
-IMPLEMENTATIONS = ("auto", "jnp", "pallas")
+IMPLEMENTATIONS = ("auto", "jnp", "pallas")  #: the choices of `compress_step`'s `implementation`
 # Pallas tiles: scale blocks per program instance (each tile row is one whole scale block, so
 # the absmax never crosses program instances) and Triton warps per instance.
 # On an H200 one block of 2048 with 4 warps ran fastest (2**28 values: 0.75 ms; 2 blocks 0.79;
 # 4 blocks with 8 warps 3.8 ms on 2**30 against 3.3 for one block; docs/results/performance.md).
-TILE_BLOCKS = {"gpu": 1, "tpu": 32, "cpu": 8}
-NUM_WARPS = 4
+TILE_BLOCKS = {"gpu": 1, "tpu": 32, "cpu": 8}  #: scale blocks a Pallas tile holds, by backend
+NUM_WARPS = 4  #: Triton warps a Pallas program instance runs
 # On GPU, buckets of shorter blocks (a small leaf's remainder) take the jnp path.
-GPU_MIN_BLOCK = 128
+GPU_MIN_BLOCK = 128  #: on GPU, shorter blocks take the jnp path
 # The jnp path on CPU works through this many blocks of 2048 at a time (see `compress_jnp`):
 # on 2**24 values (2 shared EPYC cores, 2026-12-01) the step took 2.2x as long untiled as by
 # tiles of 64 or 256 blocks (the materialized h and residual stay in cache).
-CPU_TILE_BLOCKS = 64
+CPU_TILE_BLOCKS = 64  #: blocks the jnp path on CPU works through at a time
 
 
 class Compressed(NamedTuple):
@@ -190,7 +190,7 @@ def dequantize_planes(word: jax.Array, scale: jax.Array, bits: int,
 # at a constant peer index is a distinct kernel: 8 peers x 3 buckets of the GPT-2-shaped tree
 # added ~1 s to the mesh step's compile) and ran it 2.5-3.5x slower than the loop (8 peers of
 # 2**21 values, 33.5 ms against 9.7-13.3 ms; docs/results/performance.md).
-UNROLLED_PEERS = 64
+UNROLLED_PEERS = 64  #: up to this many peers the jnp mean is unrolled (GPU, TPU)
 
 
 def mean_jnp(packed_NxBxP, scales_NxB, bits, unroll: bool):

@@ -6,7 +6,7 @@ import numpy as np
 
 from loco_jax.core import quant
 
-# A few float32 roundings, relative: what separates a float32 implementation from float64.
+#: A few float32 roundings, relative: what separates a float32 implementation from float64.
 ULP = 2.0 ** -21
 
 
@@ -79,6 +79,7 @@ def check_step(g, error, error_scale, out_codes, out_scales, out_error, out_erro
   from and what it produced. The residual uses the implementation's own codes, so that a code
   rounded the other way on a boundary is judged once. With scale_method="rms" the scale may be
   off by block_len float32 roundings, and the codes are judged against the given scale.
+
   Example:
     >>> g = np.linspace(-1, 1, 16).reshape(2, 8)
     >>> s = 7 / np.abs(g).max(1)
@@ -131,8 +132,8 @@ def check_step(g, error, error_scale, out_codes, out_scales, out_error, out_erro
 
 
 def mean_off(got: np.ndarray, codes_NxBxL: np.ndarray, scales_NxB: np.ndarray) -> int:
-  """Elements of a receive-side mean beyond float32 rounding of the float64 mean of q_j / s_j
-  (relative to the mean of |q_j / s_j|: the sum may cancel)."""
+  """Elements of a receive-side mean beyond float32 rounding of the float64 mean of `q_j / s_j`
+  (relative to the mean of `|q_j / s_j|`: the sum may cancel)."""
   values = decompress(np.asarray(codes_NxBxL, np.float64),
                       np.asarray(scales_NxB, np.float64)[..., None])
   want = values.mean(axis=0).reshape(-1)

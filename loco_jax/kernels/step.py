@@ -54,6 +54,7 @@ def implementation_report(implementation: str, backend: str, bits: int = 4,
   else "fail: ..." (what was off) or "error: ..." (why it did not run).
 
   Three compress steps (the third after a reset) and a dequantize_mean; cached.
+
   Example:
     >>> implementation_report("jnp", "cpu")
     'pass'
@@ -202,6 +203,7 @@ def compress_step(g: jax.Array, error: jax.Array, error_scale: jax.Array | None,
   `skip` (bool []): a step known beforehand to be skipped, as loco's local mode on CPU checks
   the gradients first: where true, `error` and `error_scale` come back as given (no reset) and
   `decompressed` is NaN (the payload is unspecified), in the same pass as the step.
+
   Example:
     >>> g = jnp.linspace(-1.0, 1.0, 2 * 2048)
     >>> out = compress_step(g, jnp.zeros(g.size, jnp.int8), jnp.zeros(g.size // 2048))
@@ -250,6 +252,7 @@ def dequantize_mean(received: jax.Array, scales: jax.Array, *, bits: int = 4,
   `received` is uint8 [N, blocks * block_len * bits / 8] (row j from peer j, quant.pack's
   layout within each block), `scales` float32 [N, blocks]; returns the float32 mean over j of
   q_j / s_j (0 where s_j is 0), [blocks * block_len], without overflow (`quant.mean_factors`).
+
   Example:
     >>> g = jnp.linspace(-1.0, 1.0, 2048)
     >>> a = compress_step(g, jnp.zeros(g.size, jnp.int8), jnp.zeros(1))

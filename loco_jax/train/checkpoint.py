@@ -122,6 +122,7 @@ def latest_step(directory: str | os.PathLike) -> int | None:
 
   Complete: the step directory holds the commit marker that `save` writes last. Half-written
   saves and stray directories do not count; a complete step's files are checked on restore.
+
   Example:
     >>> import tempfile
     >>> from loco_jax.train import checkpoint
@@ -145,6 +146,7 @@ def save(directory: str | os.PathLike, step: int, state: Any, config: dict, *,
   `config` (JSON values) is what must match for a restore (`train_layout`). `keep`: once this
   step is committed, delete all but the newest `keep` complete checkpoints (None keeps all).
   Steps only go up: a step at or below the newest complete one is a ValueError.
+
   Example:
     >>> import tempfile
     >>> from loco_jax.train import checkpoint
@@ -232,9 +234,10 @@ def restore(directory: str | os.PathLike, state_like: Any, config: dict,
   """Reads checkpoint `step` (the newest complete one by default) into the layout of
   `state_like`.
 
-  `state_like` is a state of the same run (a fresh one, or its `jax.ShapeDtypeStruct`s with
+  `state_like` is a state of the same run (a fresh one, or `jax.ShapeDtypeStruct` leaves with
   shardings): the result has its tree, dtypes and shardings. A ValueError lists every
   difference of files, config, devices, mesh or tree, and nothing is read. Returns (state, step).
+
   Example:
     >>> import tempfile
     >>> from loco_jax.train import checkpoint

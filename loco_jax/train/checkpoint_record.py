@@ -188,6 +188,7 @@ def train_layout(mesh: Mesh, params: Any, *, mode: str, axis_name: AxisNames = "
 
   The arguments are those of `parallel.init_train_state`. Put the result in the config of
   `checkpoint.save` and `checkpoint.restore`, which then refuse a run laid out otherwise.
+
   Example:
     >>> train_layout(parallel.data_mesh(), params, mode="zero2")
     {'mode': 'zero2', 'data axes': ['data'], 'model axes': [], 'params': {"['b']": [], "['w']": []}}

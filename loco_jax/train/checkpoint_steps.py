@@ -16,10 +16,10 @@ from typing import Any
 
 from loco_jax.train import files
 
-FORMAT = 3  # 3: the mesh record; 2: the commit marker; format 1 (no marker) is not read
+FORMAT = 3  #: 3: the mesh record; 2: the commit marker; format 1 (no marker) is not read
 READABLE_FORMATS = (2, 3)
 COMMIT = "loco_jax_commit.json"
-META_FILE = "meta/metadata"  # orbax's JSON item "meta"
+META_FILE = "meta/metadata"  #: orbax's JSON item "meta"
 MAX_MARKER_BYTES = 4 << 20
 MAX_METADATA_BYTES = 16 << 20
 _ORBAX_UNFINISHED = re.compile(r"(\d+)\.orbax-checkpoint-tmp")

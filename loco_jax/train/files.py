@@ -26,6 +26,7 @@ def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:
 
   A temp file in the same folder is written, flushed to disk and renamed over `path` with the
   permissions of a normally created file; on any error it is removed and `path` is untouched.
+
   Example:
     >>> import tempfile
     >>> path = Path(tempfile.mkdtemp()) / "table.md"
@@ -90,6 +91,7 @@ def replace_folder(staging: str | os.PathLike, target: str | os.PathLike) -> Non
   Readers see the previous set of files or the new one, never a mix: a full `target` is first
   renamed aside (`.NAME.old-XXXX`, where a hard kill leaves it whole) and removed once the new
   set is in place, with Ctrl-C held back in between.
+
   Example:
     >>> import tempfile
     >>> target = Path(tempfile.mkdtemp()) / "out"
@@ -147,6 +149,7 @@ def read_json(path: str | os.PathLike, what: str, max_bytes: int,
 
   A file that is missing, not a regular file, larger than `max_bytes`, nested deeper than
   `max_depth` or not UTF-8 JSON is a ValueError; at most `max_bytes` + 1 bytes are read.
+
   Example:
     >>> import tempfile
     >>> path = Path(tempfile.mkdtemp()) / "deep.json"
@@ -193,6 +196,7 @@ def digests(folder: str | os.PathLike, exclude: tuple[str, ...] = ()) -> dict[st
   """{relative path: [size in bytes, sha256 hex]} of every file under `folder`, sorted.
 
   `exclude`: relative paths left out (e.g. the file the digests are stored in).
+
   Example:
     >>> import tempfile
     >>> folder = Path(tempfile.mkdtemp())
@@ -246,6 +250,7 @@ def check_digests(folder: str | os.PathLike, expected: dict[str, list],
 
   `expected` is not trusted: a path in it outside `folder` is an error, as is a symbolic link
   under `folder`; only regular files inside it are read.
+
   Example:
     >>> import tempfile
     >>> folder = Path(tempfile.mkdtemp())

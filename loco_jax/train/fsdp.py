@@ -2,7 +2,7 @@
 
 The model is a `LayeredModel`: `embed`, one `block` scanned over a stack of identical layers
 (params stacked on a leading axis) and `head`, which returns the loss. Master params and the
-optimizer state live on per-device float32 shards, as in ZeRO-2. A step:
+optimizer state live on per-device float32 shards, as in ZeRO-2. A step::
 
   forward   gather embed's params; scan: gather layer l's params (compute dtype or int8), run it
   backward  head's gradient -> compressor; a reverse scan re-gathers each layer, recomputes its

@@ -25,7 +25,7 @@ def named(mesh: Mesh, specs: Any) -> Any:
 
 
 def param_specs(params: Any, mesh: Mesh, data: tuple[str, ...]) -> Any:
-  """The params' PartitionSpecs on `mesh`, from their `NamedSharding`s (others: replicated)."""
+  """The params' PartitionSpecs on `mesh`, from each leaf's `NamedSharding` (others: replicated)."""
   def spec(path, x):
     sharding = getattr(x, "sharding", None)
     if sharding is None or sharding.is_fully_replicated:

@@ -68,7 +68,7 @@ def shard_params(params: Any, mesh: Mesh, axis_name: mesh_lib.AxisNames = "data"
 def unshard_params(shards: Any, like: Any, axis_name: mesh_lib.AxisNames = "data") -> Any:
   """Inverse of `shard_params`: the full leaves, shaped and typed like `like`.
 
-  Where `like`'s leaves are split over model axes (`NamedSharding`s, as given to
+  Where `like`'s leaves are split over model axes (a `NamedSharding` each, as given to
   `shard_params`), each device gathers its model block over the data axes and the result is
   split like `like`.
   """

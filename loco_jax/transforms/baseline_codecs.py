@@ -21,7 +21,7 @@ class Sent(NamedTuple):
   flags: jax.Array        # the peers' flags summed, replicated
 
 
-# codec(hs, flag, axis_name) -> Sent; without an axis, means = decoded.
+#: codec(hs, flag, axis_name) -> Sent; without an axis, means = decoded.
 Codec = Callable[[list, jax.Array, AxisName | None], Sent]
 
 
@@ -60,7 +60,7 @@ def sign_values(codes: jax.Array, scales: jax.Array) -> jax.Array:
 
 
 def sign_codec(block_size: int) -> Codec:
-  """scale * sign(h) with scale = mean |h| per block (float32): one bit per element on the wire,
+  """`scale * sign(h)` with `scale = mean |h|` per block (float32): one bit per element on the wire,
   one all-to-all of the packed signs and scales, a float32 mean of this device's shard, and a
   bf16 gather."""
   def encode(h, rows):
@@ -111,7 +111,7 @@ def scatter_mean(idx_NxK: jax.Array, vals_NxK: jax.Array, size: int) -> jax.Arra
 
 
 def topk_codec(fraction: float) -> Codec:
-  """The k largest |h| of each leaf as (int32 index, float32 value); one all-gather of them all
+  """The k largest `|h|` of each leaf as (int32 index, float32 value); one all-gather of them all
   (as int32 words), and a scatter-add of every device's pairs."""
   def send(hs, flag, axis_name):
     _rows(axis_name)  # an axis that is not bound: the error that says so

@@ -218,7 +218,7 @@ def sign_ef(block_size: int = 2048,
             specs: Any = None) -> optax.GradientTransformationExtraArgs:
   """1-bit sign compression with error feedback (the compressor of 1-bit Adam).
 
-  h = g + e; per block of about `block_size` elements s = mean |h| and d = s * sign(h)
+  h = g + e; per block of about `block_size` elements `s = mean |h|` and `d = s * sign(h)`
   (sign(0) = +1); e' = h - d in float32. With an axis, LoCo's wire: 1 + 16 bits a parameter.
 
   Example:
@@ -234,7 +234,7 @@ def topk_ef(fraction: float = 0.01,
             axis_name: AxisName | None = None,
             specs: Any = None) -> optax.GradientTransformationExtraArgs:
   """Top-k sparsification with error feedback: the k = max(1, round(fraction * size)) entries of
-  largest |h| of each leaf are sent, the rest kept in the float32 error.
+  largest `|h|` of each leaf are sent, the rest kept in the float32 error.
 
   h = g + e; d = h on the top-k entries, 0 elsewhere; e' = h - d. With an axis, one all-gather
   of every device's (int32 index, float32 value) pairs, summed and divided by the device count:

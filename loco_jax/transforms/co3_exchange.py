@@ -31,7 +31,7 @@ from loco_jax.core import layout, leaves, quant
 from loco_jax.transforms import co3_host
 from loco_jax.transforms.co3_settings import Co3Settings
 
-CODER = huffman_deflate  # the wire coder, a comm.coded.ByteCoder
+CODER = huffman_deflate  #: the wire coder, a comm.coded.ByteCoder
 
 
 class Exchanged(NamedTuple):
@@ -98,7 +98,7 @@ def level_unit(fmt: fp.FloatFormat) -> float:
 
 
 def max_sum(fmt: fp.FloatFormat, n: int) -> int:
-  """The largest |sum| of n devices' levels, in units of 1 / level_unit."""
+  """The largest `|sum|` of n devices' levels, in units of 1 / level_unit."""
   return int(n * fp.max_value(fmt) * level_unit(fmt))
 
 

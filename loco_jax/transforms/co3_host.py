@@ -11,12 +11,12 @@ from loco_jax.codecs import fp, gennorm
 from loco_jax.comm import coded
 from loco_jax.core import leaves
 
-FIT_SAMPLES = 65_536      # per leaf, strided: the fit needs the shape, not every value
+FIT_SAMPLES = 65_536      #: per leaf, strided: the fit needs the shape, not every value
 CAPACITY_MARGIN_BITS = 0.3
-# fp8 only: what a stream of every leaf's shard codes to beyond its leaves' own entropies
-# (`default_capacity_bits`).
+#: fp8 only: what a stream of every leaf's shard codes to beyond its leaves' own entropies
+#: (`default_capacity_bits`).
 LEAF_MIXTURE_MARGIN_BITS = 0.4
-MIN_BETA = 0.35           # below it p(beta) is not a fit any more
+MIN_BETA = 0.35           #: below it p(beta) is not a fit any more
 SATURATION_QUANTILE = 0.99
 
 
@@ -29,11 +29,11 @@ def fitted_scale(fmt: fp.FloatFormat, beta: float, alpha: float) -> float:
   return gennorm.fp4_scale(max(beta, MIN_BETA), alpha) if fmt == fp.FP4 else 1.0 / alpha
 
 
-BETAS = np.linspace(0.2, 3.0, 15)  # the shapes of gradients seen in practice
-# A slot's usual size holds the fitted model's entropy for shapes in [MIN_BETA, USUAL_BETA]
-# (Laplace); the others (towards the Gaussian that late training tends to, CO3 paper Fig. 4,
-# or below where the model fits) take the slot's extension on the steps that need it
-# (`comm.coded`).
+BETAS = np.linspace(0.2, 3.0, 15)  #: the shapes of gradients seen in practice
+#: A slot's usual size holds the fitted model's entropy for shapes in [MIN_BETA, USUAL_BETA]
+#: (Laplace); the others (towards the Gaussian that late training tends to, CO3 paper Fig. 4,
+#: or below where the model fits) take the slot's extension on the steps that need it
+#: (`comm.coded`).
 USUAL_BETA = 1.0
 USUAL_BETAS = BETAS[(BETAS >= MIN_BETA) & (BETAS <= USUAL_BETA)]
 

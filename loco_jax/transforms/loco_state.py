@@ -44,6 +44,7 @@ def error_by_leaf(state: LocoState, params: Any, block_size: int = 2048,
   `block_size`: the one `loco` used (`defaults_for(bits)` where left at None); `rows`: the
   devices on its axis (1 without one): the state's buckets hold each leaf's rows in their
   blocks (`buckets.plan`).
+
   Example:
     >>> params = {"b": jnp.zeros(100), "w": jnp.zeros((4, 512))}
     >>> error, scales = error_by_leaf(loco_jax.loco(block_size=512).init(params), params, 512)

@@ -97,6 +97,7 @@ def resolve(bits: int = 4, scale: float | None = None, error_bits: int | None = 
 
   Raises:
     ValueError: an argument out of range, of the wrong kind, or contradicting another.
+
   Example:
     >>> resolve(bits=2).block_size, resolve(bits=4, beta=0.5).beta
     (128, 0.5)
