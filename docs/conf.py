@@ -27,10 +27,7 @@ extensions = [
 
 # docs/'s root holds conf.py and index.md; the records and any page not yet moved out of the
 # root are not pages of the site.
-exclude_patterns = [
-    "_build", "records", "long_runs*", "**/.ipynb_checkpoints",
-    "EXPERIMENTS.md", "EXPERIMENTS_CO3.md", "NETWORK.md", "PERFORMANCE.md", "SHARDED.md",
-]
+exclude_patterns = ["_build", "records", "**/.ipynb_checkpoints"]
 
 # MyST: `#anchor` links to headings down to ###; ::: fences; $math$.
 myst_enable_extensions = ["colon_fence", "dollarmath"]
