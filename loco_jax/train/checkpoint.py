@@ -16,17 +16,6 @@ per-device errors and the zero2 shards mean nothing on another mesh. Put
 `train_layout(mesh, params, mode=...)` in the config to check what the arrays cannot show.
 Format 2 checkpoints (no mesh record) restore on one device only. Multi-host: every process
 calls `save` and `restore` alike, on a shared directory; process 0 writes the marker.
-
-Example:
-  >>> import tempfile
-  >>> from loco_jax.train import checkpoint
-  >>> directory = tempfile.mkdtemp()
-  >>> state = {"w": jnp.arange(4.0), "count": jnp.zeros((), jnp.int32)}
-  >>> checkpoint.save(directory, 100, state, {"model": "mlp"}).name
-  '100'
-  >>> restored, step = checkpoint.restore(directory, state, {"model": "mlp"})
-  >>> step, restored["w"].tolist()
-  (100, [0.0, 1.0, 2.0, 3.0])
 """
 
 import asyncio

@@ -6,6 +6,7 @@ from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import optax
 
 from loco_jax.comm import framing, gathers, wire
 from loco_jax.core import args, buckets, layout, quant
@@ -41,7 +42,7 @@ def block_codec(bits: int, block_size: int, scale_method: str = "absmax",
 
   def send(hs, flag, axis_name):
     plan = buckets.plan(tuple(h.size for h in hs), _rows(axis_name), block_size)
-    zero = bucket_step.init_group(plan, True, False)
+    zero = optax.tree.zeros_like(bucket_step.group_shapes(plan, True, False))
     sent = bucket_step.compress_buckets(buckets.to_buckets(hs, plan), zero.error,
                                         zero.error_scale, s, False, decompressed=True)
     sent = sent._replace(finite=jnp.isfinite(flag))  # h saturates: the gradients' flag rules

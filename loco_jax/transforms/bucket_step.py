@@ -5,7 +5,6 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import optax
 
 from loco_jax import kernels
 from loco_jax.comm import bucketed, gathers
@@ -76,11 +75,6 @@ def group_shapes(plan: buckets.Plan, block_scales: bool, quantized_gather: bool)
       arrays(jnp.float32, lambda rows, b, n: rows * b) if block_scales else None,
       arrays(jnp.int8, lambda rows, b, n: b * n) if quantized_gather else None,
       arrays(jnp.float32, lambda rows, b, n: b) if quantized_gather and block_scales else None)
-
-
-def init_group(plan: buckets.Plan, block_scales: bool, quantized_gather: bool) -> GroupState:
-  """A group's zero state: one array per bucket."""
-  return optax.tree.zeros_like(group_shapes(plan, block_scales, quantized_gather))
 
 
 def compress_buckets(grad_buckets: list, errors: tuple, error_scales: tuple | None,

@@ -89,10 +89,6 @@ def co3(fmt: str = "fp4", gamma: float = 0.7, refit_interval: int = 100,
                                 axis_name, specs, name="co3"))
 
 
-def _axis_size(settings: Co3Settings) -> int:
-  return 1 if settings.axis_name is None else comm.axis_size(settings.axis_name, "co3")
-
-
 def init(settings: Co3Settings, params: Any) -> Co3State:
   """The state for `params` (inside jax.shard_map when there is an axis)."""
   sizes = jax.tree.map(lambda x: x.size if leaves.compressible(x) else 0, params)
@@ -170,7 +166,7 @@ def group_step(settings: Co3Settings, grads: leaves.Leaves, group: leaves.Group,
                refit: jax.Array) -> leaves.GroupResult:
   """Convert, exchange and correct one group of leaves; `old`: [errors, scales] per leaf."""
   errors, scales = [[f[i] for i in group.indices] for f in old]
-  n = _axis_size(settings)
+  n = 1 if settings.axis_name is None else comm.axis_size(settings.axis_name, "co3")
   converted = convert(settings, [grads.flat(i) for i in group.indices], errors, scales, refit,
                       co3_exchange.sums_levels(settings, n))
   run = co3_exchange.local if n == 1 else co3_exchange.mean_over_axis
