@@ -33,8 +33,11 @@ exclude_patterns = ["_build", "records", "**/.ipynb_checkpoints"]
 myst_enable_extensions = ["colon_fence", "dollarmath"]
 myst_heading_anchors = 3
 
-# The notebooks are rendered as stored (the tests execute them); none runs during the build.
-nb_execution_mode = "off"
+# The notebooks are stored without outputs: the build runs each (a failing cell fails it), so
+# that the site shows what they print and plot.
+nb_execution_mode = "auto"
+nb_execution_timeout = 600
+nb_execution_raise_on_error = True
 
 autodoc_member_order = "bysource"
 autodoc_typehints = "signature"
