@@ -243,6 +243,8 @@ def test_calibration_holds_the_shaper_to_what_one_tcp_stream_carries():
   healthy = _record("fp32", [32.0, 32.0], 32.0, step_s=100.0, link_tcp_bits_per_s=0.957e6)
   assert netbench_report.rate_fraction(healthy) < 0.1
   assert netbench_report.check([healthy], 0.9) == []
+  assert netbench_report.calibrations([healthy, dict(healthy, method="loco")]) == {
+      "1mbit": (pytest.approx(0.957), netbench_report.rate_fraction(healthy))}
   slow = dict(healthy, link_tcp_bits_per_s=0.81e6)
   unshaped = dict(healthy, link_tcp_bits_per_s=3.2e6)
   (failure,) = netbench_report.check([slow], 0.9)

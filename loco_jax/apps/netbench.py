@@ -347,14 +347,11 @@ def _print_tables(args, exchanges: list[dict], training: list[dict]) -> None:
   if training:
     print("\nEnd-to-end training (ddp, adamw; compute = the same step with no exchange):")
     print("\n".join(report.format_training_table(training)))
-  for r in {report.link_setting(r): r for r in exchanges}.values():
-    share = r["link_tcp_bits_per_s"] / report.nominal_rate(r)
-    fp32 = [report.rate_fraction(f) for f in exchanges
-            if f["method"] == "fp32" and report.link_setting(f) == report.link_setting(r)]
-    print(f"calibration at {report.link_setting(r)}: one TCP stream carried {share:.1%} of the "
-          f"nominal rate (check: {args.min_rate_fraction:.0%} to 100%)"
-          + (f"; the fp32 all-reduce {fp32[0]:.1%} ({fp32[0] / share:.0%} of the TCP stream)"
-             if fp32 else ""))
+  for setting, (share, fp32) in report.calibrations(exchanges).items():
+    print(f"calibration at {setting}: one TCP stream carried {share:.1%} of the nominal rate "
+          f"(check: {args.min_rate_fraction:.0%} to 100%)"
+          + (f"; the fp32 all-reduce {fp32:.1%} ({fp32 / share:.0%} of the TCP stream)"
+             if fp32 is not None else ""))
   if not all(report.payload_checked(r) for r in exchanges):
     print(f"(not checked): under {report.MIN_CHECKED_BYTES} bytes a host a step, gloo's own "
           f"messages are over 1% of the payload")

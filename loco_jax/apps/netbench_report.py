@@ -206,13 +206,23 @@ def check(records: list[dict], min_rate_fraction: float) -> list[str]:
                         f"{got / want - 1:+.1%} off the predicted {want:.2f}")
     if not r["finite"]:
       failures.append(f"{where}: non-finite output")
-  for r in {link_setting(r): r for r in records if "link_tcp_bits_per_s" in r}.values():
-    share = r["link_tcp_bits_per_s"] / nominal_rate(r)
+  for setting, (share, _) in calibrations(records).items():
     if not min_rate_fraction <= share <= 1:
-      failures.append(f"calibration at {link_setting(r)}: one TCP stream between two hosts "
-                      f"carried {share:.1%} of the nominal rate (a shaped link carries "
+      failures.append(f"calibration at {setting}: one TCP stream between two hosts carried "
+                      f"{share:.1%} of the nominal rate (a shaped link carries "
                       f"{min_rate_fraction:.0%} to 100%)")
   return failures
+
+
+def calibrations(records: list[dict]) -> dict[str, tuple[float, float | None]]:
+  """{link setting: (the share of the nominal rate one TCP stream carried there, the fp32
+  all-reduce's share (`rate_fraction`) or None where fp32 did not run)}."""
+  found = {}
+  for r in records:
+    if "link_tcp_bits_per_s" in r:
+      share, fp32 = found.get(link_setting(r), (r["link_tcp_bits_per_s"] / nominal_rate(r), None))
+      found[link_setting(r)] = share, rate_fraction(r) if r["method"] == "fp32" else fp32
+  return found
 
 
 def check_training(records: list[dict]) -> list[str]:
@@ -288,10 +298,8 @@ def format_state_table(records: list[dict]) -> list[str]:
     return []
   counts = list(dict.fromkeys(k for r in records for k in r["counts"]))
   gauges = list(dict.fromkeys(k for r in records for k in r["gauges"]))
-  lines = ["| method | hosts | rate | exchange (collectives) | "
-           + " | ".join([f"{k} (steps)" for k in counts] + gauges)
-           + " | conditional bits/param a step |",
-           "|---|---|---|---|" + "---|" * (len(counts) + len(gauges) + 1)]
+  lines = table_head("method", "hosts", "rate", "exchange (collectives)",
+                     *[f"{k} (steps)" for k in counts], *gauges, "conditional bits/param a step")
   for r in records:
     cells = [f"{r['counts'][k]} of {r['steps']}" if k in r["counts"] else "-" for k in counts]
     cells += [f"{r['gauges'][k]:.3f}" if k in r["gauges"] else "-" for k in gauges]
@@ -302,8 +310,8 @@ def format_state_table(records: list[dict]) -> list[str]:
 
 def format_profile_table(records: list[dict]) -> list[str]:
   """The traced steps (netbench --profile): their wall time and their thunks' by kind."""
-  lines = ["| method | hosts | rate | step ms (timed) | traced step ms | collectives ms | "
-           "host callbacks ms | compute ms |", "|---|---|---|---|---|---|---|---|"]
+  lines = table_head("method", "hosts", "rate", "step ms (timed)", "traced step ms",
+                     "collectives ms", "host callbacks ms", "compute ms")
   profiled = [r for r in records if r.get("profile")]
   for r in profiled:
     p = {k: f"{v * 1e3:.1f}" for k, v in r["profile"].items()}
@@ -312,7 +320,7 @@ def format_profile_table(records: list[dict]) -> list[str]:
                  f"{p['compute']} |")
   for r in profiled:
     lines += ["", f"{r['method']}, {r['hosts']} hosts, {link_setting(r)}: host 0's costliest "
-              "instructions", "| instruction | kind | made at | ms a step |", "|---|---|---|---|"]
+              "instructions", *table_head("instruction", "kind", "made at", "ms a step")]
     lines += [f"| {t['name']} | {t['kind']} | {t['source']} | {t['seconds'] * 1e3:.2f} |"
               for t in r["profile_per_host"][0]["top"]]
   return lines
@@ -323,9 +331,9 @@ def format_two_level_table(records: list[dict]) -> list[str]:
   nodes (all nodes together, per parameter and step) and their share of flat LoCo's."""
   loco = {link_setting(r): r["measured_inter_bits_per_param"] for r in records
           if r["method"] == "loco"}
-  lines = ["| method | nodes x hosts | links | step ms | cpu ms | collectives ms | "
-           "wire ms (pred.) | bits/param a host sent (pred.) | inter-node bits/param (pred.) "
-           "| vs loco |", "|---|---|---|---|---|---|---|---|---|---|"]
+  lines = table_head("method", "nodes x hosts", "links", "step ms", "cpu ms", "collectives ms",
+                     "wire ms (pred.)", "bits/param a host sent (pred.)",
+                     "inter-node bits/param (pred.)", "vs loco")
   for r in records:
     pred = r["predicted_inter_bits_per_param"]
     ratio = (f"{r['measured_inter_bits_per_param'] / loco[link_setting(r)]:.3f}x"

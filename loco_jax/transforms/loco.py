@@ -118,17 +118,18 @@ def loco(bits: int = 4, scale: float | None = None, error_bits: int | None = Non
                                 axis_name, specs, flat_output=mode.scatter, name="loco"))
 
 
-def expected_groups(s: LocoSettings, mode: Averaging, grads: leaves.Leaves) -> dict:
-  """{group key: the shapes of its state} (`bucket_step.group_shapes`)."""
+def expected_groups(s: LocoSettings, mode: Averaging, plans: dict) -> dict:
+  """{group key: the shapes of its state} (`bucket_step.group_shapes`) for its bucket plan."""
   return leaves.ByGroup({key: group_shapes(plan, s.error_scale is None, mode.quantized_gather)
-                        for key, plan in bucket_plans(grads, mode.rows(), s.block_size).items()})
+                        for key, plan in plans.items()})
 
 
 def init(s: LocoSettings, mode: Averaging, params: Any) -> LocoState:
   """The zero state for `params` (inside jax.shard_map when there is an axis)."""
   if trees.is_placeholder(params):
     return LocoState(jnp.zeros([], jnp.int32), *[jnp.zeros([], jnp.int8)] * 2)
-  groups = expected_groups(s, mode, leaves.split(params, mode.axis_name))
+  grads = leaves.split(params, mode.axis_name)
+  groups = expected_groups(s, mode, bucket_plans(grads, mode.rows(), s.block_size))
   return LocoState(jnp.zeros([], jnp.int32), optax.tree.zeros_like(groups),
                    trees.TreeSignature.of(params))
 
@@ -137,10 +138,10 @@ def update(s: LocoSettings, mode: Averaging, updates: Any,
            state: LocoState) -> tuple[Any, LocoState]:
   """One step: each group's buckets compressed and averaged, then kept or skipped together."""
   grads = leaves.split(updates, mode.axis_name)
-  check_state(state, updates, expected_groups(s, mode, grads))
+  plans = bucket_plans(grads, mode.rows(), s.block_size)
+  check_state(state, updates, expected_groups(s, mode, plans))
   if not grads.sent:  # nothing to compress or send
     return updates, state._replace(count=optax.safe_increment(state.count))
-  plans = bucket_plans(grads, mode.rows(), s.block_size)
   filled = {key: buckets.to_buckets([grads.flat(i) if p.leaves[i] else None
                                      for i in range(len(grads.leaves))], p)
             for key, p in plans.items()}
