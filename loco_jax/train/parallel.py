@@ -1,5 +1,6 @@
 """Sharded train steps: `init_train_state` and `make_train_step` resolve their arguments once
-(`setup`) and hand the `Setup` to the mode's module (train/ddp.py, zero2.py, fsdp.py).
+(`setup`) and hand the `Setup` to the mode's module (train/ddp.py, zero2.py, fsdp.py,
+diloco.py).
 
 Each step is a `jax.shard_map` manual over the data axes. Params split over other mesh axes keep
 that sharding: GSPMD runs the model over them, and the compressor, told the params' specs
@@ -14,20 +15,23 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding
 
-from loco_jax.train import ddp, fsdp, sharding, zero2
+from loco_jax.train import ddp, diloco, fsdp, sharding, zero2
 from loco_jax.train.mesh import (AxisNames, TrainAxes, data_mesh, initialize, node_mesh,
                                  train_axes)
 from loco_jax.train.shards import (PARAM_GATHERS, ParamGather, reduce_scatter, shard_params,
                                    unshard_params)
-from loco_jax.train.state import Setup, TrainState, init_opt_state, opt_state_specs
+from loco_jax.train.state import Outer, Setup, TrainState, init_opt_state, opt_state_specs
+from loco_jax.transforms.baselines import uncompressed
 
 __all__ = ["MODES", "PARAM_GATHERS", "Setup", "TrainState", "data_mesh", "node_mesh",
            "initialize", "init_opt_state", "opt_state_specs", "shard_params", "unshard_params",
            "setup", "init_train_state", "make_train_step", "reduce_scatter"]
 
-MODES = ("ddp", "zero2", "fsdp")
+MODES = ("ddp", "zero2", "fsdp", "diloco")
 # Each mode module: init(setup, params) -> (state, specs), make_step(setup, loss_fn) -> jitted.
-_MODULES = {"ddp": ddp, "zero2": zero2, "fsdp": fsdp}
+_MODULES = {"ddp": ddp, "zero2": zero2, "fsdp": fsdp, "diloco": diloco}
+# DiLoCo's outer optimizer (Douillard et al. 2023).
+DILOCO_OUTER = optax.sgd(0.7, momentum=0.9, nesterov=True)
 
 
 def _checked_axes(mesh: Mesh, axis_name: AxisNames, mode: str, compressor) -> TrainAxes:
@@ -56,9 +60,9 @@ def _checked_gather(mode: str, compute_dtype, param_gather: str,
   """How the params are gathered; a ValueError for an option that would be ignored."""
   if param_gather not in PARAM_GATHERS:
     raise ValueError(f"param_gather must be one of {PARAM_GATHERS}, got {param_gather!r}")
-  if mode == "ddp" and param_gather != "compute":
+  if mode in ("ddp", "diloco") and param_gather != "compute":
     raise ValueError(f"param_gather={param_gather!r} is a mode='zero2' option (and 'fsdp'): "
-                     f"ddp keeps whole params on every device and gathers none")
+                     f"{mode} keeps whole params on every device and gathers none")
   if block_size is not None and param_gather != "int8":
     raise ValueError(f"block_size sets the blocks of param_gather='int8' and has no effect with "
                      f"param_gather={param_gather!r} (mode={mode!r})")
@@ -71,10 +75,31 @@ def _checked_gather(mode: str, compute_dtype, param_gather: str,
   return ParamGather(compute_dtype, param_gather, block_size)
 
 
+def _checked_outer(mode: str, inner_steps, outer_optimizer, fragments) -> Outer | None:
+  """mode="diloco"'s outer step; a ValueError for an option another mode would ignore."""
+  given = {"inner_steps": inner_steps, "outer_optimizer": outer_optimizer,
+           "fragments": fragments}
+  if mode != "diloco":
+    ignored = [name for name, value in given.items() if value is not None]
+    if ignored:
+      raise ValueError(f"{ignored[0]} is a mode='diloco' option; mode={mode!r} has no outer step")
+    return None
+  fragments = 1 if fragments is None else fragments
+  for name, value in (("inner_steps", inner_steps), ("fragments", fragments)):
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+      raise ValueError(f"mode='diloco' needs {name} a positive int, got {value!r}")
+  if inner_steps % fragments:
+    raise ValueError(f"fragments={fragments} must divide inner_steps={inner_steps} (a fragment "
+                     f"syncs every inner_steps / fragments steps)")
+  return Outer(outer_optimizer or DILOCO_OUTER, inner_steps, fragments)
+
+
 def setup(params, optimizer: optax.GradientTransformation, mesh: Mesh, *,
           compressor: optax.GradientTransformation | None = None, mode: str = "ddp",
           axis_name: AxisNames = "data", compute_dtype=jnp.float32,
-          param_gather: str = "compute", block_size: int | None = None) -> Setup:
+          param_gather: str = "compute", block_size: int | None = None,
+          inner_steps: int | None = None, outer_optimizer: optax.GradientTransformation | None
+          = None, fragments: int | None = None) -> Setup:
   """The arguments of `init_train_state` / `make_train_step`, checked and resolved once: the
   mesh's data and model axes, the params' shapes and specs, the gather. A ValueError for a
   mode this mesh or compressor cannot run, or an option that would be ignored.
@@ -86,13 +111,19 @@ def setup(params, optimizer: optax.GradientTransformation, mesh: Mesh, *,
   """
   axes = _checked_axes(mesh, axis_name, mode, compressor)
   gather = _checked_gather(mode, compute_dtype, param_gather, block_size)
+  outer = _checked_outer(mode, inner_steps, outer_optimizer, fragments)
+  if mode == "diloco" and compressor is None:
+    compressor = uncompressed(axes.name)
   return Setup(mesh, axes, optimizer, compressor or optax.identity(), sharding.shapes_of(params),
-               sharding.train_param_specs(params, mesh, axes), gather)
+               sharding.train_param_specs(params, mesh, axes), gather, outer)
 
 
 def init_train_state(params, optimizer: optax.GradientTransformation, mesh: Mesh, *,
                      compressor: optax.GradientTransformation | None = None,
-                     mode: str = "ddp", axis_name: AxisNames = "data"):
+                     mode: str = "ddp", axis_name: AxisNames = "data",
+                     inner_steps: int | None = None,
+                     outer_optimizer: optax.GradientTransformation | None = None,
+                     fragments: int | None = None):
   """A TrainState on the mesh and its PartitionSpecs (full specs on the mesh).
 
   Args:
@@ -102,14 +133,19 @@ def init_train_state(params, optimizer: optax.GradientTransformation, mesh: Mesh
     compressor: averages the gradient over the data axes (e.g. `loco(axis_name="data")`);
       zero2 and fsdp need reduce-scatter semantics (`loco(..., scatter=True)`); ddp on data
       axes alone may leave it None and average in the optimizer.
-    mode: "ddp", "zero2" or "fsdp" (train/ddp.py, zero2.py, fsdp.py).
+      mode="diloco": averages the pseudo-gradients; None averages them in float32.
+    mode: "ddp", "zero2", "fsdp" or "diloco" (train/ddp.py, zero2.py, fsdp.py, diloco.py).
     axis_name: the data axes, one or a tuple; every other mesh axis is a model axis.
+    inner_steps, outer_optimizer, fragments: mode="diloco" (see `make_train_step`).
 
   Returns:
-    (state, specs). zero2 and fsdp keep float32 master shards and the optimizer state on them.
+    (state, specs). zero2 and fsdp keep float32 master shards and the optimizer state on them;
+    diloco a `diloco.DilocoState`.
   """
   return _MODULES[mode].init(setup(params, optimizer, mesh, compressor=compressor, mode=mode,
-                                    axis_name=axis_name), params)
+                                    axis_name=axis_name, inner_steps=inner_steps,
+                                    outer_optimizer=outer_optimizer, fragments=fragments),
+                             params)
 
 
 def _check_batch(batch: Any, size: int, axis_name: AxisNames) -> None:
@@ -140,7 +176,9 @@ def make_train_step(loss_fn: Callable[[Any, Any], jax.Array],
                     compressor: optax.GradientTransformation | None = None,
                     mode: str = "ddp", axis_name: AxisNames = "data",
                     compute_dtype=jnp.float32, param_gather: str = "compute",
-                    block_size: int | None = None):
+                    block_size: int | None = None, inner_steps: int | None = None,
+                    outer_optimizer: optax.GradientTransformation | None = None,
+                    fragments: int | None = None):
   """A jitted `step(state, batch) -> (state, mean loss)` for `loss_fn(params, batch)`.
 
   Args:
@@ -151,10 +189,18 @@ def make_train_step(loss_fn: Callable[[Any, Any], jax.Array],
     compute_dtype: the float dtype the model computes in.
     param_gather: zero2 and fsdp: "compute" (gather in `compute_dtype`) or "int8" (absmax
       blocks of `block_size`, default 2048, ZeRO++ qwZ style).
+    inner_steps: mode="diloco": H, the steps each worker takes alone between two syncs; the
+      optimizer is then the inner one, each worker's own.
+    outer_optimizer: mode="diloco": updates the global params with the averaged
+      pseudo-gradient; default Nesterov SGD, lr 0.7, momentum 0.9 (`DILOCO_OUTER`).
+    fragments: mode="diloco": F, parts of the params synced in turn, one every H / F steps
+      (streaming DiLoCo); default 1.
 
   Returns:
     The step; the batch's leading axis is split over the data axes. `step.jitted` is the
     jitted function, for lowering: `comm.lowered_collectives(step.jitted, state, batch)`.
+    mode="diloco": `step.jitted` is the inner step, `step.syncs[f]` an inner step followed by
+    fragment f's sync.
 
   Example:
     >>> mesh, compressor = data_mesh(), loco_jax.loco(axis_name="data")
@@ -167,10 +213,11 @@ def make_train_step(loss_fn: Callable[[Any, Any], jax.Array],
   """
   resolved = setup(params_like, optimizer, mesh, compressor=compressor, mode=mode,
                    axis_name=axis_name, compute_dtype=compute_dtype, param_gather=param_gather,
-                   block_size=block_size)
+                   block_size=block_size, inner_steps=inner_steps,
+                   outer_optimizer=outer_optimizer, fragments=fragments)
   jitted = _MODULES[mode].make_step(resolved, loss_fn)
   axes, pspecs = resolved.axes, resolved.param_specs
-  placed = (None if mode == "fsdp" or not axes.model else pspecs if mode == "ddp"
+  placed = (None if mode == "fsdp" or not axes.model else pspecs if mode in ("ddp", "diloco")
             else sharding.master_specs(pspecs, axes.data))
 
   def step(state: TrainState, batch):
@@ -181,5 +228,7 @@ def make_train_step(loss_fn: Callable[[Any, Any], jax.Array],
       placed = None
     return jitted(state, batch)
 
-  step.jitted = jitted
+  step.jitted = getattr(jitted, "jitted", jitted)
+  if mode == "diloco":
+    step.syncs = jitted.syncs
   return step

@@ -38,6 +38,14 @@ class Setup(NamedTuple):
   params: Any                                 # the full params' shapes (ShapeDtypeStructs)
   param_specs: Any                            # their full specs: over the model axes only
   gather: ParamGather                         # the compute dtype; zero2, fsdp: the gather
+  outer: "Outer | None" = None                # mode="diloco": its outer step
+
+
+class Outer(NamedTuple):
+  """mode="diloco"'s outer step (train/diloco.py)."""
+  optimizer: optax.GradientTransformation     # on the averaged pseudo-gradient
+  inner_steps: int                            # H: steps between two syncs of a fragment
+  fragments: int                              # F: parts of the params synced in turn
 
 
 def opt_state_specs(optimizer: optax.GradientTransformation, params: Any, mesh: Mesh,

@@ -34,8 +34,12 @@ def loss_and_grads(loss_fn: Callable, params: Any, batch: Any,
   params. Returns (loss, grads): this device's own, not averaged.
   """
   # Replicated params would make jax.grad psum the gradient in full precision (the transpose of
-  # the implicit broadcast); marked varying, each device keeps its own gradient.
-  params = jax.lax.pcast(params, setup.axes.name, to="varying")
+  # the implicit broadcast); marked varying, each device keeps its own gradient. (DiLoCo's
+  # workers are varying already.)
+  def varying(x):
+    missing = tuple(a for a in setup.axes.data if a not in jax.typeof(x).manual_axis_type.varying)
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+  params = jax.tree.map(varying, params)
   value_and_grad = jax.value_and_grad(loss_fn)
   explicit = tuple(a for a in mesh_lib.explicit_axes(setup.mesh) if a in setup.axes.model)
   if explicit:
