@@ -45,7 +45,7 @@ import common
 AXIS = "data"
 # The demo's methods but loco4-fixed (its fixed error scale is not in the state: `error_stats`).
 BASE_METHODS = ("none", "bf16", "int4-noef", "ef2", "ef3", "ef4", "loco2", "loco3", "loco4",
-                "co3-fp4")
+                "co3-fp4", "diloco", "diloco-loco4", "diloco-loco4-quantized")
 # The campaign of issue 27, in the order the workers take them: the two-seed pairs first, co3-fp4
 # (the slowest, docs/results/training.md "Long runs") early enough to run beside the others; ef3 and
 # ef2 last, the error feedback that loco3 and loco2 are held against.
@@ -77,6 +77,8 @@ class LongRunConfig:
   eval_batch: int = 64          # windows per held-out batch
   checkpoint_every: int = 500
   corpus_bytes: int = 64_000_000  # more than the stdlib's sources: all of them
+  inner_steps: int = 32         # DiLoCo methods (the global params are evaluated)
+  outer_lr: float = 0.7
 
   @property
   def name(self) -> str:
@@ -134,7 +136,8 @@ def demo_config(config: LongRunConfig):
       steps=config.steps, devices=config.devices, batch_per_device=config.batch_per_device,
       seq_len=config.seq_len, d_model=config.d_model, n_layers=config.n_layers,
       n_heads=config.n_heads, d_ff=config.d_ff, lr=config.peak_lr, seed=config.seed,
-      reset_interval=config.reset_interval or 0)
+      reset_interval=config.reset_interval or 0, inner_steps=config.inner_steps,
+      outer_lr=config.outer_lr)
 
 
 # --- Data, schedule, evaluation -------------------------------------------------------------------
@@ -196,6 +199,8 @@ def error_stats(compressor_state: Any, devices: int) -> dict | None:
   """
   import jax
   from loco_jax import LocoState
+  if type(compressor_state) is tuple and len(compressor_state) == 1:  # DiLoCo's one fragment
+    compressor_state = compressor_state[0]
   groups = (list(compressor_state.groups.values()) if isinstance(compressor_state, LocoState)
             else None)
   error = ([g.error for g in groups] if groups is not None
@@ -238,7 +243,8 @@ def check_same_config(path: Path, config: LongRunConfig) -> None:
   from loco_jax.train import files
   want = dataclasses.asdict(config)
   if path.exists():
-    have = json.loads(path.read_text())
+    # A field added since the run started has its default there.
+    have = {**dataclasses.asdict(LongRunConfig()), **json.loads(path.read_text())}
     diff = [f"{k}: run {have.get(k)!r}, now {want.get(k)!r}" for k in sorted(set(have) | set(want))
             if have.get(k) != want.get(k)]
     if diff:
@@ -288,12 +294,18 @@ def build(config: LongRunConfig, text: Text) -> Built:
   compressor = demo.make_compressor(parse_method(config.method)[0], dc, AXIS)
   schedule = make_schedule(config)
   optimizer = optax.adamw(schedule, weight_decay=config.weight_decay)
-  state, specs = parallel.init_train_state(params, optimizer, mesh, compressor=compressor)
-  step = parallel.make_train_step(loss_fn, optimizer, mesh, params, compressor=compressor)
+  options = demo.train_options(config.method, dc)
+  outer = {k: v for k, v in options.items() if k != "mode"}
+  state, specs = parallel.init_train_state(params, optimizer, mesh, compressor=compressor,
+                                           mode=options.get("mode", "ddp"), **outer)
+  step = parallel.make_train_step(loss_fn, optimizer, mesh, params, compressor=compressor,
+                                  **options)
   start = time.perf_counter()
-  compiled = step.jitted.lower(state, jnp.asarray(text.batch(0))).compile()
-  return Built(state, compiled, schedule, make_eval(loss_fn, mesh, text.eval_KxBxL),
-               time.perf_counter() - start)
+  for program, _ in demo.step_programs(step, options.get("mode", "ddp"), outer):
+    compiled = program.lower(state, jnp.asarray(text.batch(0))).compile()
+  # DiLoCo's step picks its program each step (compiled again on first use).
+  return Built(state, step if options else compiled, schedule,
+               make_eval(loss_fn, mesh, text.eval_KxBxL), time.perf_counter() - start)
 
 
 def param_norm(params: Any) -> float:

@@ -75,6 +75,26 @@ def test_progress_goes_to_stderr(tiny_run):
   assert "[1/2]" not in table
 
 
+@pytest.mark.slow
+def test_diloco_methods_send_one_sync_every_inner_steps(tmp_path):
+  # The bits are the run's mean over the inner steps (nothing) and the syncs (every 4th step).
+  text = tmp_path / "corpus.txt"
+  text.write_bytes(TEXT)
+  with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+    status = cli.main(["demo", *TINY, "--steps", "8", "--inner-steps", "4", "--methods",
+                       "loco4,diloco,diloco-loco4,diloco-loco4-quantized", "--data", str(text),
+                       "--out", str(tmp_path / "out")])
+  assert status == 0
+  results = {r["method"]: r for r in json.loads((tmp_path / "out/results.json").read_text())}
+  assert results["diloco"]["wire_bits_per_param"] == pytest.approx(56.0 / 4, abs=0.02)
+  assert results["diloco-loco4"]["wire_bits_per_param"] == pytest.approx(
+      results["loco4"]["wire_bits_per_param"] / 4, rel=0.01)
+  # The quantized gather: 4 bits back instead of 16.
+  assert (results["diloco-loco4-quantized"]["wire_bits_per_param"]
+          < 0.5 * results["diloco-loco4"]["wire_bits_per_param"])
+  assert all(math.isfinite(r["eval_loss"]) for r in results.values())
+
+
 def test_data_file_is_what_it_trains_on(tmp_path):
   path = tmp_path / "corpus.txt"
   path.write_bytes(TEXT)

@@ -114,6 +114,7 @@ BAD_ARGUMENTS = [
     (["--train-model", "512,1,3072"], "--train-model"),
     (["--train-model", "100,1,64,8"], "n_heads dividing d_model"),
     (["--train-steps", "2"], "--train-steps"),
+    (["--train-methods", "diloco", "--train-steps", "30"], "2 + a multiple of --inner-steps"),
     (["--param-gather", "fp16"], "--param-gather"),
     (["--devices-per-host", "3", "--batch-per-host", "4"], "--batch-per-host"),
     # Issue 30: these ended in a traceback (exit 1) after the argument checks.
@@ -368,6 +369,32 @@ def test_sharded_training_methods_train_and_report_their_wire(method):
   # LoCo's 4-bit reduce-scatter plus the parameter gathers (16 bits each way for fsdp).
   assert 4 < record["predicted_bits_per_param"] < 64
   assert record["overlapped_collectives"] >= 0
+
+
+@pytest.mark.slow
+def test_diloco_training_sends_one_round_of_loco_over_its_inner_steps():
+  # The diloco rows: the step time is the mean over whole rounds and the bits the mean of the
+  # inner step's (none) and the sync's (loco's, every --inner-steps steps).
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.sharding import PartitionSpec as P
+  from loco_jax.apps import demo, netbench_worker
+  from loco_jax.train import parallel
+  config = demo.DemoConfig(steps=6, devices=8, batch_per_device=1, seq_len=16, d_model=32,
+                           n_layers=2, n_heads=2, d_ff=64, warmup=1, eval_batches=2,
+                           corpus_bytes=200_000)
+  corpus, mesh = demo.load_corpus(config), parallel.data_mesh()
+  run = lambda method, h: netbench_worker._train(method, config, corpus, mesh, "lo", jax, jnp,
+                                                 P, inner_steps=h)
+  every, half = run("diloco-loco", 1), run("diloco-loco", 2)
+  ddp = run("loco", 1)
+  assert np.isfinite(half["eval_loss"]) and half["overlapped_collectives"] >= 0
+  assert every["predicted_bits_per_param"] == pytest.approx(ddp["predicted_bits_per_param"],
+                                                            rel=0.01)
+  assert half["predicted_bits_per_param"] == pytest.approx(
+      every["predicted_bits_per_param"] / 2, rel=0.01)
+  assert half["collectives_s"] > 0  # the sync's collectives, replayed in its share of the steps
 
 
 CO3_METHODS = ("co3-fp4", "co3-fp8", "co3-fp4-coded")

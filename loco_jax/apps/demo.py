@@ -22,13 +22,17 @@ from loco_jax.apps.demo_output import MethodResult
 from loco_jax.train import files
 
 METHODS = ("none", "bf16", "int4-noef", "ef4", "loco4", "loco4-fixed", "co3-fp4", "ef2", "ef3",
-           "loco2", "loco3", "co3-fp8", "co3-fp4-coded", "loco4-entropy")
+           "loco2", "loco3", "co3-fp8", "co3-fp4-coded", "loco4-entropy", "diloco",
+           "diloco-loco4", "diloco-loco4-quantized")
 CO3_METHODS = {"co3-fp4": ("fp4", "bf16"), "co3-fp8": ("fp8", "bf16"),
                "co3-fp4-coded": ("fp4", "coded")}  # method -> (fmt, gather)
 # Without --methods the demo runs these (the 2- and 3-bit methods are asked for by name).
 DEFAULT_METHODS = METHODS[:7]
 # The ones --reset-interval applies to.
 LOCO_METHODS = ("loco4", "loco4-fixed", "loco2", "loco3", "loco4-entropy")
+# DiLoCo (parallel.make_train_step(mode="diloco")): method -> the outer average's method.
+DILOCO_METHODS = {"diloco": "none", "diloco-loco4": "loco4",
+                  "diloco-loco4-quantized": "loco4-quantized"}
 # loco4-entropy's slots: the demo's 4-bit codes carry 1.7-1.9 bits of entropy
 # (docs/results/co3.md); a slot that does not fit sends the step raw.
 ENTROPY_CAPACITY_BITS = 2.5
@@ -52,6 +56,11 @@ DESCRIPTIONS = {
              "(clipped), 8-bit error, beta=0.8",
     "loco3": "LoCo at 3 bits with loco(bits=3)'s defaults: blocks of 256 scaled to 3 x rms "
              "(clipped), 8-bit error, beta=0.8",
+    "diloco": "DiLoCo: adamw alone on each device for --inner-steps steps, then the float32 "
+              "mean of the pseudo-gradients and an outer Nesterov step (--outer-lr, momentum 0.9)",
+    "diloco-loco4": "DiLoCo with the pseudo-gradients averaged by loco4 (bf16 gather)",
+    "diloco-loco4-quantized": "DiLoCo with the pseudo-gradients averaged by loco4 with the "
+                              "quantized gather (4 bits back, its own error)",
 }
 AXIS = "data"
 EVAL_SEED = 2024  # the held-out windows do not change with --seed
@@ -77,6 +86,8 @@ class DemoConfig:
   eval_batches: int = 16
   corpus_bytes: int = 4_000_000
   reset_interval: int = 1024  # LoCo methods: loco(reset_interval=...), 0 never resets
+  inner_steps: int = 32       # DiLoCo methods: steps between two syncs
+  outer_lr: float = 0.7       # DiLoCo methods: the outer Nesterov step's rate
 
   @property
   def global_batch(self) -> int:
@@ -122,6 +133,10 @@ def make_compressor(method: str, config: DemoConfig = DemoConfig(),
   from loco_jax import loco
   from loco_jax.transforms import baselines
   b, reset = config.block_size, config.reset_interval
+  method = DILOCO_METHODS.get(method, method)
+  if method == "loco4-quantized":
+    return loco(bits=4, block_size=b, reset_interval=reset, axis_name=axis_name,
+                gather="quantized")
   if method == "none":
     return baselines.uncompressed(axis_name)
   if method == "bf16":
@@ -152,6 +167,20 @@ def make_compressor(method: str, config: DemoConfig = DemoConfig(),
         fmt=fmt, gamma=0.7, axis_name=axis_name,
         **({"gather": gather} if axis_name is not None else {}))
   raise DemoError(f"unknown method {method!r}; accepted: {', '.join(METHODS)}")
+
+
+def train_options(method: str, config: DemoConfig = DemoConfig()) -> dict[str, Any]:
+  """`parallel.make_train_step`'s options for a demo method: DiLoCo's mode and outer step.
+
+  Example:
+    >>> sorted(train_options("diloco-loco4"))
+    ['inner_steps', 'mode', 'outer_optimizer']
+  """
+  if method not in DILOCO_METHODS:
+    return {}
+  import optax
+  return {"mode": "diloco", "inner_steps": config.inner_steps,
+          "outer_optimizer": optax.sgd(config.outer_lr, momentum=0.9, nesterov=True)}
 
 
 # --- Devices, data, model -------------------------------------------------------------------------
@@ -305,6 +334,15 @@ def co3_record(states: Sequence[Any], found: Sequence[Any], n_params: int, devic
                                           * resend) / len(states), 4)}
 
 
+def step_programs(step: Callable, mode: str, outer: dict[str, Any]) -> list[tuple[Any, float]]:
+  """The jitted programs a train step runs, each with its share of the steps: the step itself;
+  DiLoCo's inner step in (H - F) / H of them and each fragment's sync in 1 / H."""
+  if mode != "diloco":
+    return [(step.jitted, 1.0)]
+  h, syncs = outer["inner_steps"], step.syncs
+  return [(step.jitted, (h - len(syncs)) / h)] + [(sync, 1 / h) for sync in syncs]
+
+
 def per_device_bytes(tree: Any) -> int:
   """Bytes one device holds of a pytree of (possibly sharded) jax arrays."""
   import jax
@@ -340,8 +378,10 @@ def run_method(name: str, compressor, config: DemoConfig, corpus: Corpus,
   """Trains the demo model with `compressor` averaging the gradients over the devices.
 
   `mode` and `step_kwargs` go to `parallel.make_train_step` ("zero2" needs a compressor with
-  reduce-scatter semantics); `observe(state, step)` is called after every step, and `progress`,
-  a tqdm bar, advances one step at a time.
+  reduce-scatter semantics; "diloco" its outer step, `train_options`); `observe(state, step)`
+  is called after every step, and `progress`, a tqdm bar, advances one step at a time. The bits
+  are the mean a step over the run of every program the step runs (DiLoCo: the inner step and
+  each fragment's sync, in their shares of the steps).
 
   Example:
     >>> config = DemoConfig(steps=20)
@@ -357,20 +397,26 @@ def run_method(name: str, compressor, config: DemoConfig, corpus: Corpus,
   _, params, loss_fn = make_model(config)
   n_params = num_params(params)
   optimizer = optimizer or make_optimizer(config)
+  outer = {k: v for k, v in step_kwargs.items()
+           if k in ("inner_steps", "outer_optimizer", "fragments")}
   state, specs = parallel.init_train_state(params, optimizer, mesh, compressor=compressor,
-                                           mode=mode)
+                                           mode=mode, **outer)
   step = parallel.make_train_step(loss_fn, optimizer, mesh, params,
                                   compressor=compressor, mode=mode, **step_kwargs)
   batches = corpus.train_SxBxL
   start = time.perf_counter()
-  lowered = step.jitted.lower(state, jnp.asarray(batches[0]))
-  found = comm.collectives(lowered.as_text(dialect="hlo", debug_info=True), config.devices)
-  compiled = lowered.compile()
+  programs = []  # (compiled, its collectives, its share of the steps)
+  for program, share in step_programs(step, mode, outer):
+    lowered = program.lower(state, jnp.asarray(batches[0]))
+    found = comm.collectives(lowered.as_text(dialect="hlo", debug_info=True), config.devices)
+    programs.append((lowered.compile(), found, share))
   compile_s = time.perf_counter() - start
+  run = step if mode == "diloco" else programs[0][0]
+  mean_bits = lambda bits: sum(share * bits(found, n_params) for _, found, share in programs)
   losses, times, co3_states = [], [], []
   for i, batch in enumerate(batches):
     t0 = time.perf_counter()
-    state, loss = compiled(state, jnp.asarray(batch))
+    state, loss = run(state, jnp.asarray(batch))
     losses.append(float(loss))
     times.append(time.perf_counter() - t0)
     if name in CO3_METHODS:  # the counters and measured bits, not the errors
@@ -382,20 +428,21 @@ def run_method(name: str, compressor, config: DemoConfig, corpus: Corpus,
       progress.set_postfix(loss=f"{losses[-1]:.3f}", ms_step=f"{times[-1] * 1e3:.0f}",
                            refresh=False)
       progress.update()
-  final = state.params if mode == "ddp" else parallel.unshard_params(state.params, params)
+  final = (state.params if mode in ("ddp", "diloco") else
+           parallel.unshard_params(state.params, params))
   tail = losses[-max(len(losses) // 10, 1):]
-  co3 = (co3_record(co3_states, found, n_params, config.devices, CO3_METHODS[name][1])
+  co3 = (co3_record(co3_states, programs[0][1], n_params, config.devices, CO3_METHODS[name][1])
          if co3_states else None)
   return MethodResult(
       method=name, final_loss=float(np.mean(tail)),
       eval_loss=evaluate(loss_fn, final, corpus.eval_KxBxL, mesh),
-      gradient_bits_per_param=round(gradient_bits(found, n_params), 4),
+      gradient_bits_per_param=round(mean_bits(gradient_bits), 4),
       wire_bits_per_param=(co3["mean_wire_bits"] if co3 else
-                           round(comm.wire_bits_per_param(found, n_params), 4)),
+                           round(mean_bits(comm.wire_bits_per_param), 4)),
       step_time_s=float(np.median(times[1:] if len(times) > 1 else times)),
       losses=losses, compile_s=compile_s,
       state_bytes_per_device=per_device_bytes(state.compressor_state),
-      collectives=list(found),
+      collectives=[c for _, found, _ in programs for c in found],
       co3=co3)
 
 
@@ -468,6 +515,11 @@ def parser() -> argparse.ArgumentParser:
                  help=f"LoCo methods ({', '.join(LOCO_METHODS)}): zero the error before every "
                       f"step k > 0 that is a multiple of N (0: never; default "
                       f"{d.reset_interval}); e.g. 100 shows resets in a 300-step run")
+  p.add_argument("--inner-steps", type=_positive_int, default=d.inner_steps,
+                 help=f"DiLoCo methods ({', '.join(DILOCO_METHODS)}): steps each device takes "
+                      f"alone between two syncs")
+  p.add_argument("--outer-lr", type=_positive_float, default=d.outer_lr,
+                 help="DiLoCo methods: the outer Nesterov step's learning rate (momentum 0.9)")
   p.add_argument("--eval-batches", type=_positive_int, default=d.eval_batches,
                  help="held-out batches for the eval loss")
   p.add_argument("--data", default=None,
@@ -484,7 +536,8 @@ def config_from_args(args: argparse.Namespace) -> DemoConfig:
                     n_heads=args.heads, d_ff=args.d_ff or 4 * args.d_model, lr=args.lr,
                     seed=args.seed, fixed_scale=args.fixed_scale, eval_batches=args.eval_batches,
                     reset_interval=DemoConfig.reset_interval if args.reset_interval is None
-                    else args.reset_interval)
+                    else args.reset_interval, inner_steps=args.inner_steps,
+                    outer_lr=args.outer_lr)
 
 
 def _choose_methods(text: str | None) -> tuple[list[str], dict[str, str]]:
@@ -628,7 +681,7 @@ def _train_and_write(config: DemoConfig, methods: list[str], unavailable: dict[s
       with tqdm(total=config.steps, desc=f"[{i + 1}/{len(methods)}] {method}", unit="step",
                 file=sys.stderr, dynamic_ncols=True) as bar:
         results.append(run_method(method, make_compressor(method, config), config, corpus,
-                                  bar))
+                                  bar, **train_options(method, config)))
   except KeyboardInterrupt:
     print("\nloco-jax demo: interrupted; nothing written", file=sys.stderr)
     return 130

@@ -54,17 +54,18 @@ def format_table(results: Sequence[MethodResult], unavailable: dict[str, str] | 
   """The demo's table: losses (and their change against `none`), bits, step time."""
   base = next((r for r in results if r.method == "none"), None)
   rel = lambda v, b: "" if base is None or not math.isfinite(v) else f"{100 * (v / b - 1):+.1f}%"
-  header = (f"{'method':<12} {'train loss':>10} {'vs none':>8} {'eval loss':>10} {'vs none':>8} "
+  width = max([12] + [len(r.method) for r in results])
+  header = (f"{'method':<{width}} {'train loss':>10} {'vs none':>8} {'eval loss':>10} {'vs none':>8} "
             f"{'grad bits':>9} {'wire bits':>9} {'step s':>7}")
   lines = [header, "-" * len(header)]
   for r in results:
     lines.append(
-        f"{r.method:<12} {r.final_loss:>10.4f} "
+        f"{r.method:<{width}} {r.final_loss:>10.4f} "
         f"{rel(r.final_loss, base.final_loss if base else 1):>8} {r.eval_loss:>10.4f} "
         f"{rel(r.eval_loss, base.eval_loss if base else 1):>8} "
         f"{r.gradient_bits_per_param:>9.2f} {r.wire_bits_per_param:>9.2f} {r.step_time_s:>7.3f}")
   for method, why in (unavailable or {}).items():
-    lines.append(f"{method:<12} unavailable: {why}")
+    lines.append(f"{method:<{width}} unavailable: {why}")
   lines.append("grad bits: the gradient collective's buffer (codes + scales) * 8 / params; wire "
                "bits: what each device sends per parameter and step, over every collective "
                "(ring all-reduce 2(n-1)/n; co3: the mean over the steps, with the conditional "

@@ -91,10 +91,14 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--exchange-only", action="store_true",
                  help="measure the gradient exchanges only, skip end-to-end training "
                       "(required with --nodes > 1)")
-  p.add_argument("--train-methods", default=",".join(TRAIN_METHODS),
-                 help=f"end-to-end training, comma-separated: {','.join(TRAIN_METHODS)}")
+  p.add_argument("--train-methods", default=",".join(TRAIN_METHODS[:8]),
+                 help=f"end-to-end training, comma-separated: {','.join(TRAIN_METHODS)} "
+                      f"(default: all but the diloco ones)")
   p.add_argument("--train-steps", type=int, default=30,
-                 help="training steps per method (the first 2 are not timed)")
+                 help="training steps per method (the first 2 are not timed; diloco methods: "
+                      "2 + a multiple of --inner-steps, whole rounds timed)")
+  p.add_argument("--inner-steps", type=int, default=32,
+                 help="the diloco methods' steps between two syncs")
   p.add_argument("--train-model", default="512,1,3072,8",
                  help="the demo GPT: d_model,n_layers,d_ff,n_heads (default: 4.5M parameters)")
   p.add_argument("--batch-per-host", type=int, default=2,
@@ -156,6 +160,12 @@ def _check_training(args) -> None:
     raise ValueError(f"--param-gather must be one of {PARAM_GATHERS}, got {args.param_gather!r}")
   if args.train_steps < 3:
     raise ValueError(f"--train-steps must be >= 3 (2 are not timed), got {args.train_steps}")
+  if any(m.startswith("diloco") for m in train):
+    _positive(args, "inner_steps")
+    if (args.train_steps - 2) % args.inner_steps:
+      raise ValueError(f"--train-steps {args.train_steps} must be 2 + a multiple of "
+                       f"--inner-steps {args.inner_steps} for the diloco methods (their "
+                       f"rounds are timed whole), e.g. {2 + 2 * args.inner_steps}")
   if args.batch_per_host % args.devices_per_host:
     raise ValueError(f"--batch-per-host ({args.batch_per_host}) must be a multiple of "
                      f"--devices-per-host ({args.devices_per_host})")
@@ -258,7 +268,8 @@ def run_hosts(net: netns.Network, args, workdir: str) -> list[dict]:
       if not args.exchange_only:
         cmd += ["--train-methods", args.train_methods, "--train-steps", str(args.train_steps),
                 "--train-model", args.train_model, "--batch-per-host", str(args.batch_per_host),
-                "--seq-len", str(args.seq_len), "--param-gather", args.param_gather]
+                "--seq-len", str(args.seq_len), "--param-gather", args.param_gather,
+                "--inner-steps", str(args.inner_steps)]
       procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                     preexec_fn=_die_with_parent))
     deadline = time.monotonic() + args.timeout + 10

@@ -115,6 +115,7 @@ def summarize_training(results: list[dict], hosts: int, rate: str) -> list[dict]
     record = {
         "method": method, "kind": "train", "hosts": hosts, "rate": rate, "n_params": n,
         "step_s": step_s, "tokens_per_s": first["tokens_per_step"] / step_s,
+        "tokens_vs_compute": compute_s / step_s,
         "eval_loss": statistics.mean(r["eval_loss"] for r in mine),
         "final_loss": statistics.mean(r["final_loss"] for r in mine),
         "compute_s": compute_s, "exchange_s": max(step_s - compute_s, 0.0),
@@ -139,7 +140,8 @@ def table_head(*columns: str) -> list[str]:
 
 def format_training_table(records: list[dict]) -> list[str]:
   lines = table_head("method", "hosts", "rate", "params", "step ms", "compute ms",
-                     "exchange ms (share)", "collectives ms", "tokens/s", "eval loss",
+                     "exchange ms (share)", "collectives ms", "tokens/s (vs compute)",
+                     "eval loss",
                      "predicted ms", "cost model ms", "bits/param sent, payload (pred.)",
                      "overlapped")
   for r in records:
@@ -148,7 +150,7 @@ def format_training_table(records: list[dict]) -> list[str]:
         f"| {r['method']} | {r['hosts']} | {r['rate']} | {r['n_params']} | "
         f"{r['step_s'] * 1e3:.1f} | {r['compute_s'] * 1e3:.1f} | {r['exchange_s'] * 1e3:.1f} "
         f"({r['exchange_s'] / r['step_s']:.0%}) | {r['collectives_s'] * 1e3:.1f} | "
-        f"{r['tokens_per_s']:.0f} | "
+        f"{r['tokens_per_s']:.0f} ({r['tokens_vs_compute']:.2f}x) | "
         f"{r['eval_loss']:.4f} | {r['predicted_step_s'] * 1e3:.1f} | {cost} | "
         f"{r['measured_bits_per_param']:.2f}, {r['payload_bits_per_param']:.2f} "
         f"({r['predicted_bits_per_param']:.2f}) | {r['overlapped_collectives']} |")

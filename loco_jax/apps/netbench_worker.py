@@ -13,6 +13,7 @@ import statistics
 import sys
 import tempfile
 import time
+from typing import Any
 
 from loco_jax.apps import netbench_methods, netbench_profile, netns
 from loco_jax.apps import sent as counters
@@ -26,8 +27,10 @@ HEARTBEAT_TIMEOUT_S = 120
 # (parallel's modes, the demo GPT split into layers) reduce-scattering it in float32 or with
 # LoCo. "compute" averages nothing: the ddp step without the exchange, which splits every ddp
 # method's step into compute + exchange (for zero2 and fsdp the rest includes their gathers).
+# The diloco methods (mode="diloco") average the pseudo-gradients every --inner-steps steps in
+# float32 or with LoCo; their step time is the mean over whole rounds, syncs included.
 TRAIN_METHODS = ("fp32", "bf16", "loco", "loco-quantized", "zero2-fp32", "zero2-loco",
-                 "fsdp-fp32", "fsdp-loco")
+                 "fsdp-fp32", "fsdp-loco", "diloco", "diloco-loco", "diloco-loco-quantized")
 # zero2 and fsdp gather the parameters in the compute dtype, or as int8 with block scales.
 PARAM_GATHERS = ("float32", "bfloat16", "int8")
 
@@ -61,6 +64,7 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--batch-per-host", type=int, default=2)
   p.add_argument("--seq-len", type=int, default=64)
   p.add_argument("--param-gather", choices=PARAM_GATHERS, default="float32")
+  p.add_argument("--inner-steps", type=int, default=32, help="the diloco methods' H")
   return p
 
 
@@ -111,45 +115,60 @@ def _sharded_model(mode: str, config):
   return params, model, fsdp.layered_loss(model), fsdp.unshard_params
 
 
-def _train(method: str, config, corpus, mesh, interface: str, jax, jnp, P,
-           param_gather: str = "float32"):
-  """Trains the demo GPT with `method` averaging the gradients; this host's record."""
-  import numpy as np
-  from jax.sharding import NamedSharding
-  from loco_jax import comm, loco
-  from loco_jax.apps import demo
-  from loco_jax.apps.models import num_params
+def _train_options(method: str, inner_steps: int) -> tuple[str, Any, dict]:
+  """(mode, compressor, DiLoCo's options) of a training method."""
+  from loco_jax import loco
   from loco_jax.train import parallel
   from loco_jax.transforms import baselines
+  if method.startswith("diloco"):
+    compressor = {"diloco": None, "diloco-loco": loco(axis_name="data"),
+                  "diloco-loco-quantized": loco(axis_name="data", gather="quantized")}[method]
+    return "diloco", compressor, {"inner_steps": inner_steps}
   mode, _, wire = method.rpartition("-") if method.startswith(("zero2-", "fsdp-")) else (
       "ddp", "", method)
   if mode == "ddp":
-    compressor = {
+    return mode, {
         "compute": lambda: None, "fp32": lambda: baselines.uncompressed("data"),
         "bf16": lambda: baselines.bf16("data"), "loco": lambda: loco(axis_name="data"),
-        "loco-quantized": lambda: loco(axis_name="data", gather="quantized")}[wire]()
+        "loco-quantized": lambda: loco(axis_name="data", gather="quantized")}[wire](), {}
+  return mode, {"fp32": lambda: parallel.reduce_scatter("data"),
+                "loco": lambda: loco(axis_name="data", scatter=True)}[wire](), {}
+
+
+def _train(method: str, config, corpus, mesh, interface: str, jax, jnp, P,
+           param_gather: str = "float32", inner_steps: int = 32):
+  """Trains the demo GPT with `method` averaging the gradients; this host's record."""
+  import numpy as np
+  from jax.sharding import NamedSharding
+  from loco_jax import comm
+  from loco_jax.apps import demo
+  from loco_jax.apps.models import num_params
+  from loco_jax.train import parallel
+  mode, compressor, outer = _train_options(method, inner_steps)
+  if mode in ("ddp", "diloco"):
     _, params, loss_fn = demo.make_model(config)
     eval_loss_fn, unshard = loss_fn, None
   else:
-    compressor = {"fp32": lambda: parallel.reduce_scatter("data"),
-                  "loco": lambda: loco(axis_name="data", scatter=True)}[wire]()
     params, loss_fn, eval_loss_fn, unshard = _sharded_model(mode, config)
   optimizer = demo.make_optimizer(config)
   state, specs = parallel.init_train_state(params, optimizer, mesh, compressor=compressor,
-                                           mode=mode)
-  if compressor is None:
+                                           mode=mode, **outer)
+  if method == "compute":
     step = _step_without_exchange(loss_fn, optimizer, mesh, specs, jax, P)
   else:
     gather = {} if mode == "ddp" else {"bfloat16": {"compute_dtype": jnp.bfloat16},
                                        "int8": {"param_gather": "int8"}}.get(param_gather, {})
     step = parallel.make_train_step(loss_fn, optimizer, mesh, params,
-                                    compressor=compressor, mode=mode, **gather)
+                                    compressor=compressor, mode=mode, **gather, **outer)
   sharding = NamedSharding(mesh, P("data"))
   batches = [jax.make_array_from_callback(b.shape, sharding, lambda idx, b=b: b[idx])
              for b in corpus.train_SxBxL]
-  compiled_text = step.jitted.lower(state, batches[0]).compile().as_text()
-  # Per step: a collective in fsdp's scan over layers runs once per layer.
-  found = comm.collectives_per_step(compiled_text, jax.device_count())
+  # Per step: a collective in fsdp's scan over layers runs once per layer. DiLoCo: each program
+  # in its share of the steps.
+  programs = []
+  for program, share in demo.step_programs(step, mode, outer):
+    text = program.lower(state, batches[0]).compile().as_text()
+    programs.append((text, comm.collectives_per_step(text, jax.device_count()), share))
   n_params = num_params(params)
   times, warm = [], 2
   start = None
@@ -162,10 +181,13 @@ def _train(method: str, config, corpus, mesh, interface: str, jax, jnp, P,
     times.append(time.perf_counter() - t0)
   sent = counters.read(interface).since(start)
   timed = len(batches) - warm
-  replay = netbench_methods.collectives_replay(found, mesh)
   ones = _ones(mesh, jax)
-  jax.block_until_ready(replay(ones))
-  collectives_s = _median_times(replay, ones, steps=5, jax=jax)[0]
+  collectives_s = 0.0
+  for _, found, share in programs:
+    if found:
+      replay = netbench_methods.collectives_replay(found, mesh)
+      jax.block_until_ready(replay(ones))
+      collectives_s += share * _median_times(replay, ones, steps=5, jax=jax)[0]
   if unshard is None:
     local = jax.tree.map(lambda x: x.addressable_data(0), state.params)
   else:  # the shards of every host, gathered, then put back into the model's shapes
@@ -174,16 +196,20 @@ def _train(method: str, config, corpus, mesh, interface: str, jax, jnp, P,
                     params)
   eval_fn = jax.jit(eval_loss_fn)
   eval_loss = float(np.mean([float(eval_fn(local, b)) for b in corpus.eval_KxBxL]))
-  return {"method": method, "step_s": statistics.median(times), "final_loss": loss,
+  # A DiLoCo step's time is the mean over its whole rounds (netbench times whole rounds).
+  step_s = (statistics.fmean(times[warm:]) if mode == "diloco" else statistics.median(times))
+  return {"method": method, "step_s": step_s, "final_loss": loss,
           "collectives_s": collectives_s,
           "eval_loss": eval_loss, "n_params": n_params,
           "tokens_per_step": int(corpus.train_SxBxL.shape[1] * config.seq_len),
           "sent": sent._asdict(),
           "measured_bits_per_param": 8 * sent.interface_bytes / (timed * n_params),
           "payload_bits_per_param": 8 * sent.payload_bytes / (timed * n_params),
-          "predicted_bits_per_param": comm.wire_bits_per_param(found, n_params),
+          "predicted_bits_per_param": sum(share * comm.wire_bits_per_param(found, n_params)
+                                          for _, found, share in programs),
           # Async collectives with compute scheduled between start and done (overlap).
-          "overlapped_collectives": sum(comm.async_collectives(compiled_text).values())}
+          "overlapped_collectives": sum(sum(comm.async_collectives(text).values())
+                                        for text, _, _ in programs)}
 
 
 def _median_times(fn, *args, steps: int, jax) -> tuple[float, float]:
@@ -373,7 +399,7 @@ def main(argv=None) -> int:
     for method in ["compute", *[m for m in args.train_methods.split(",") if m]]:
       jax.block_until_ready(barrier(ones))
       record = _train(method, config, corpus, mesh, args.interface, jax, jax.numpy, P,
-                      args.param_gather)
+                      args.param_gather, args.inner_steps)
       print(json.dumps({"train": {**record, "host": args.process_id}}), flush=True)
   jax.distributed.shutdown()
   return 0
