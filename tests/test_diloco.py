@@ -14,27 +14,15 @@ from jax.sharding import PartitionSpec as P
 from loco_jax import comm, loco
 from loco_jax.train import checkpoint, checkpoint_record, diloco, parallel
 
+import teacher
+
 WORKERS = 4
 INNER = optax.adam(1e-2)
 OUTER = optax.sgd(0.7, momentum=0.9, nesterov=True)
 
 
-def _params():
-  k1, k2 = jax.random.split(jax.random.key(0))
-  return {"w1": jax.random.normal(k1, (16, 64)) * 0.3, "b1": jnp.zeros(64),
-          "w2": jax.random.normal(k2, (64, 4)) * 0.3, "b2": jnp.zeros(4)}
-
-
-def _loss(params, batch):
-  h = jnp.tanh(batch[:, :16] @ params["w1"] + params["b1"])
-  return jnp.mean((h @ params["w2"] + params["b2"] - batch[:, 16:]) ** 2)
-
-
-def _batches(steps, size=32):
-  rng = np.random.default_rng(0)
-  teacher = rng.standard_normal((16, 4))
-  x = rng.standard_normal((steps, size, 16)).astype(np.float32)
-  return [np.concatenate([b, np.tanh(b @ teacher)], axis=1) for b in x]
+_params, _loss = teacher.params, teacher.loss
+_batches = lambda steps: teacher.batches(steps, 32)
 
 
 def _train(mesh, params, steps, compressor=None, **outer):

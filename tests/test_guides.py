@@ -62,6 +62,14 @@ import numpy as np
 assert updates["w"].shape == (16, 8)
 assert np.allclose(np.abs(np.asarray(updates["w"])), 3e-4, rtol=0.05), updates["w"]
 """,
+    "diloco.md": """
+import jax, numpy as np
+assert int(state.step) == 16
+# Step 16 ended a round: every worker restarts from the global params, which moved.
+for w, g in zip(jax.tree.leaves(state.workers), jax.tree.leaves(state.params)):
+  assert all(np.array_equal(np.asarray(w)[i], np.asarray(g)) for i in range(8))
+assert not np.array_equal(np.asarray(state.params["w"]), np.asarray(params["w"]))
+""",
     "checkpoints.md": """
 import jax, numpy as np
 same = jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), restored, state)

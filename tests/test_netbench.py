@@ -114,7 +114,8 @@ BAD_ARGUMENTS = [
     (["--train-model", "512,1,3072"], "--train-model"),
     (["--train-model", "100,1,64,8"], "n_heads dividing d_model"),
     (["--train-steps", "2"], "--train-steps"),
-    (["--train-methods", "diloco", "--train-steps", "30"], "2 + a multiple of --inner-steps"),
+    (["--train-methods", "diloco", "--train-steps", "30"], "a multiple of --inner-steps 32"),
+    (["--train-methods", "diloco", "--train-steps", "32"], "at least 2 of them"),
     (["--param-gather", "fp16"], "--param-gather"),
     (["--devices-per-host", "3", "--batch-per-host", "4"], "--batch-per-host"),
     # Issue 30: these ended in a traceback (exit 1) after the argument checks.

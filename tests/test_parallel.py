@@ -9,26 +9,13 @@ import pytest
 from loco_jax import comm, loco
 from loco_jax.train import parallel
 
+import teacher
+
 N = 8
 
 
-def _params():
-  k1, k2 = jax.random.split(jax.random.key(0))
-  return {"w1": jax.random.normal(k1, (16, 64)) * 0.3, "b1": jnp.zeros(64),
-          "w2": jax.random.normal(k2, (64, 4)) * 0.3, "b2": jnp.zeros(4)}
-
-
-def _loss(params, batch):
-  h = jnp.tanh(batch[:, :16] @ params["w1"] + params["b1"])
-  return jnp.mean((h @ params["w2"] + params["b2"] - batch[:, 16:]) ** 2)
-
-
-def _batches(steps, size=64):
-  rng = np.random.default_rng(0)
-  teacher = rng.standard_normal((16, 4))
-  for _ in range(steps):
-    x = rng.standard_normal((size, 16)).astype(np.float32)
-    yield jnp.asarray(np.concatenate([x, np.tanh(x @ teacher)], axis=1).astype(np.float32))
+_params, _loss = teacher.params, teacher.loss
+_batches = lambda steps, size=64: teacher.batches(steps, size)
 
 
 def _mean():
@@ -87,7 +74,7 @@ def test_zero2_wire_bits_from_the_hlo():
   for name, compressor, dtype in [("plain", parallel.reduce_scatter("data"), jnp.float32),
                                   ("loco", loco(axis_name="data", scatter=True), jnp.bfloat16)]:
     _, state, step = _train("zero2", compressor, steps=1, compute_dtype=dtype)
-    found = comm.lowered_collectives(step.jitted, state, next(_batches(1)))
+    found = comm.lowered_collectives(step.jitted, state, _batches(1)[0])
     # The only all-reduces are scalars (the mean loss, LoCo's finiteness flag): the gradient
     # itself is never all-reduced.
     assert all(c.nbytes <= 4 for c in found if c.op == "all-reduce"), found
@@ -120,7 +107,7 @@ def test_apply_if_finite_after_the_compressor_skips_a_bad_step_everywhere():
   state, specs = parallel.init_train_state(_params(), optimizer, mesh, compressor=compressor)
   step = parallel.make_train_step(_loss, optimizer, mesh, _params(),
                                   compressor=compressor)
-  batch = next(_batches(1))
+  batch = _batches(1)[0]
   state, _ = step(state, batch)
   before = jax.tree.map(np.asarray, (state.params, state.compressor_state))
   poisoned = batch.at[5, 0].set(jnp.nan)  # one device's shard of the batch
@@ -190,7 +177,7 @@ def test_masks_see_full_shapes_through_inject_hyperparams_and_multi_transform():
 def test_compute_dtype_applies_in_ddp():
   _, state, step = _train("ddp", _mean(), steps=1, compute_dtype=jnp.bfloat16)
   _, _, step32 = _train("ddp", _mean(), steps=1)
-  batch = next(_batches(1))
+  batch = _batches(1)[0]
   text = step.jitted.lower(state, batch).as_text()
   assert "bf16" in text and "bf16" not in step32.jitted.lower(state, batch).as_text()
   ddp_bf16, _, _ = _train("ddp", _mean(), steps=3, compute_dtype=jnp.bfloat16)
@@ -215,7 +202,7 @@ def test_options_that_would_be_ignored_raise(kwargs, match):
 @pytest.mark.slow
 def test_scalar_batch_leaf_and_mismatched_trees_name_the_leaf():
   _, state, step = _train("ddp", _mean(), steps=1)
-  batch = next(_batches(1))
+  batch = _batches(1)[0]
   with pytest.raises(ValueError, match=r"batch leaf \['scale'\] is a scalar"):
     step(state, {"x": batch, "scale": jnp.float32(2.0)})
   with pytest.raises(ValueError, match=r"batch size 12 of batch leaf \['x'\]"):

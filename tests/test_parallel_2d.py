@@ -19,6 +19,8 @@ from loco_jax.core import buckets, layout, local_blocks
 from loco_jax.train import parallel, sharding
 from loco_jax.transforms import baselines
 
+import teacher
+
 DATA, MODEL = 4, 2
 # The MLP's matrices split over 'model' the Megatron way (columns of w1, rows of w2), b1 with
 # w1's columns; b2 replicated.
@@ -29,29 +31,15 @@ def _mesh():
   return jax.make_mesh((DATA, MODEL), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
 
 
-def _raw_params():
-  k1, k2 = jax.random.split(jax.random.key(0))
-  return {"w1": jax.random.normal(k1, (16, 64)) * 0.3, "b1": jnp.zeros(64),
-          "w2": jax.random.normal(k2, (64, 4)) * 0.3, "b2": jnp.zeros(4)}
+_raw_params = teacher.params
 
 
 def _placed(mesh):
   return jax.device_put(_raw_params(), {k: NamedSharding(mesh, s) for k, s in SPECS.items()})
 
 
-def _loss(params, batch):
-  h = jnp.tanh(batch[:, :16] @ params["w1"] + params["b1"])
-  return jnp.mean((h @ params["w2"] + params["b2"] - batch[:, 16:]) ** 2)
-
-
-def _batches(steps, size=32):
-  rng = np.random.default_rng(0)
-  teacher = rng.standard_normal((16, 4))
-  out = []
-  for _ in range(steps):
-    x = rng.standard_normal((size, 16)).astype(np.float32)
-    out.append(jnp.asarray(np.concatenate([x, np.tanh(x @ teacher)], axis=1), jnp.float32))
-  return out
+_loss = teacher.loss
+_batches = lambda steps, size=32: teacher.batches(steps, size)
 
 
 def _train(mesh, params, compressor, optimizer=None, steps=4, mode="ddp", axis_name="data",

@@ -111,7 +111,8 @@ def state_specs(setup: Setup) -> DilocoState:
 
 
 def _per_worker(tree: Any, data: tuple[str, ...]) -> Any:
-  """This worker's slice of a stacked tree as the leading axis of one (varying over `data`)."""
+  """`tree` as this worker's entry of a stacked tree: a leading axis of one, varying over
+  `data`."""
   return jax.tree.map(lambda x: jax.lax.pcast(x, data, to="varying")[None], tree)
 
 
@@ -176,13 +177,20 @@ def _sync(setup: Setup, part: list[int], index: int) -> Callable:
   return sync
 
 
+def _local_mean(losses: jax.Array) -> jax.Array:
+  """The mean of this process's shards of `losses`, moved onto one of its devices."""
+  shards = [s.data for s in losses.addressable_shards]
+  return jnp.mean(jnp.concatenate(jax.device_put(shards, shards[0].devices().pop())))
+
+
 def make_step(setup: Setup, loss_fn: Callable[[Any, Any], jax.Array]) -> Callable:
   """diloco's `step(state, batch) -> (state, mean loss)` (`parallel.make_train_step`): an
   inner step on every worker, then the sync of the fragment due after it, if any.
 
   `step.jitted` is the inner step's program (it sends nothing over the data axes);
   `step.syncs[f]` the program of an inner step followed by fragment f's sync. The loss is the
-  workers' mean, averaged in a separate program of its own.
+  mean of this process's workers (of all of them on one host): averaging it over the hosts
+  would cost a collective every step.
   """
   specs, axes, outer = state_specs(setup), setup.axes, setup.outer
   inner = _inner_step(setup, loss_fn)
@@ -197,7 +205,6 @@ def make_step(setup: Setup, loss_fn: Callable[[Any, Any], jax.Array]) -> Callabl
   jitted = program(None)
   syncs = tuple(program(_sync(setup, part, f))
                 for f, part in enumerate(fragment_leaves(setup.params, outer.fragments)))
-  mean = jax.jit(jnp.mean)
   last = (None, 0)  # (the step array the last call returned, its value)
 
   def step(state: DilocoState, batch):
@@ -206,7 +213,7 @@ def make_step(setup: Setup, loss_fn: Callable[[Any, Any], jax.Array]) -> Callabl
     fragment = sync_fragment(k, outer.inner_steps, outer.fragments)
     state, losses = (jitted if fragment is None else syncs[fragment])(state, batch)
     last = (state.step, k + 1)
-    return state, mean(losses)
+    return state, _local_mean(losses)
 
   step.jitted, step.syncs = jitted, syncs
   return step

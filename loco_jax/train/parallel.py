@@ -23,9 +23,9 @@ from loco_jax.train.shards import (PARAM_GATHERS, ParamGather, reduce_scatter, s
 from loco_jax.train.state import Outer, Setup, TrainState, init_opt_state, opt_state_specs
 from loco_jax.transforms.baselines import uncompressed
 
-__all__ = ["DILOCO_OUTER", "MODES", "Outer", "PARAM_GATHERS", "Setup", "TrainState", "data_mesh", "node_mesh",
-           "initialize", "init_opt_state", "opt_state_specs", "shard_params", "unshard_params",
-           "setup", "init_train_state", "make_train_step", "reduce_scatter"]
+__all__ = ["DILOCO_OUTER", "MODES", "Outer", "PARAM_GATHERS", "Setup", "TrainState", "data_mesh",
+           "node_mesh", "initialize", "init_opt_state", "opt_state_specs", "shard_params",
+           "unshard_params", "setup", "init_train_state", "make_train_step", "reduce_scatter"]
 
 MODES = ("ddp", "zero2", "fsdp", "diloco")
 # Each mode module: init(setup, params) -> (state, specs), make_step(setup, loss_fn) -> jitted.
