@@ -142,12 +142,15 @@ def check(meta: Any, file: Any, step: int) -> dict:
   return meta
 
 
-def _config_differences(old: dict, new: dict, prefix: str = "") -> list[str]:
+def _config_differences(old: dict, new: dict, prefix: str = "",
+                        ignored: tuple = ()) -> list[str]:
   out = []
   for key in sorted(set(old) | set(new), key=str):
     a, b = old.get(key, "<absent>"), new.get(key, "<absent>")
+    if f"{prefix}{key}" in ignored:
+      continue
     if isinstance(a, dict) and isinstance(b, dict):
-      out += _config_differences(a, b, f"{prefix}{key}.")
+      out += _config_differences(a, b, f"{prefix}{key}.", ignored)
     elif a != b:
       out.append(f"{prefix}{key}: checkpoint {a!r}, now {b!r}")
   return out
@@ -158,14 +161,19 @@ def _counted(items: list[str]) -> list[str]:
   return items[:_MAX_LISTED] + ([f"(and {more} more)"] if more > 0 else [])
 
 
-def differences(saved: dict, now: dict) -> list[str]:
+def differences(saved: dict, now: dict, mesh_keys: tuple[str, ...] | None = None) -> list[str]:
   """'what: checkpoint A, now B' for every config key (nested keys joined by '.'), the device
-  count, the mesh, and the tree: each leaf's shape, dtype and, on the same mesh, spec."""
-  out = _counted(_config_differences(saved["config"], now["config"]))
-  if saved["device count"] != now["device count"]:
+  count, the mesh, and the tree: each leaf's shape, dtype and, on the same mesh, spec.
+
+  `mesh_keys`: a restore re-laid for another mesh (`reshard`), which compares neither the
+  device counts, meshes nor shapes, but the specs; these config keys describe the mesh and may
+  differ."""
+  relaid = mesh_keys is not None
+  out = _counted(_config_differences(saved["config"], now["config"], "", mesh_keys or ()))
+  if saved["device count"] != now["device count"] and not relaid:
     out.append(f"device count: checkpoint {saved['device count']}, now {now['device count']}")
   same_mesh = "mesh" not in saved or saved["mesh"] == now["mesh"]  # format 2: on one device
-  if not same_mesh:
+  if not same_mesh and not relaid:
     out.append(f"mesh: checkpoint {_mesh_text(saved['mesh'])}, now {_mesh_text(now['mesh'])}")
   old_tree, new_tree = saved["tree"], now["tree"]
   tree = [f"{k} only in the checkpoint" for k in old_tree if k not in new_tree]
@@ -173,8 +181,9 @@ def differences(saved: dict, now: dict) -> list[str]:
   for k in (k for k in old_tree if k in new_tree):
     (old_shape, old_dtype, *old_spec), (shape, dtype, spec) = old_tree[k], new_tree[k]
     tree += [f"{k} {what} checkpoint {a}, now {b}" for what, a, b in
-             (("shape", old_shape, shape), ("dtype", old_dtype, dtype)) if a != b]
-    if same_mesh and old_spec and old_spec[0] != spec:
+             (("shape", old_shape, shape), ("dtype", old_dtype, dtype))
+             if a != b and not (relaid and what == "shape")]
+    if (same_mesh or relaid) and old_spec and old_spec[0] != spec:
       tree.append(f"{k} sharding checkpoint {_spec_text(old_spec[0])}, now {_spec_text(spec)}")
   if tree:
     more = f" (and {len(tree) - 3} more)" if len(tree) > 3 else ""
