@@ -237,13 +237,25 @@ def _relaid(path: Path, entry: Path, step: int, saved: dict, now: dict,
   """The checkpoint read with its own shapes onto one device of this process, re-laid for the
   mesh of `state_like` (train/reshard.py)."""
   data = reshard_lib.data_axes(saved["mesh"], now["mesh"], now["config"])
-  device = jax.local_devices()[0]
-  abstract = jax.tree_util.tree_map_with_path(lambda p, x: jax.ShapeDtypeStruct(
-      tuple(saved["tree"][jax.tree_util.keystr(p)][0]), x.dtype,
-      sharding=jax.sharding.SingleDeviceSharding(device)), state_like)
+  try:
+    paths = reshard_lib.saved_paths(state_like, saved["mesh"], data)
+  except ValueError as e:
+    raise ValueError(f"checkpoint {entry} cannot be re-laid for this mesh: {e}") from None
+  tree, listed = saved["tree"], jax.tree.leaves(paths)
+  extra = [f"{k} only in the checkpoint" for k in tree if k not in set(listed)]
+  missing = [f"{k} only now" for k in listed if k not in tree]
+  if extra or missing:
+    raise ValueError(f"checkpoint {entry} does not match this run on its mesh "
+                     f"{checkpoint_record.mesh_text(saved['mesh'])}: tree: "
+                     + ", ".join((extra + missing)[:3]) + ". Restore with the model, mode and "
+                     "transformations it was saved with.")
+  single = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  abstract = jax.tree.map(lambda k: jax.ShapeDtypeStruct(
+      tuple(tree[k][0]), jax.numpy.dtype(tree[k][1]), sharding=single), paths)
+  specs = jax.tree.map(lambda k: checkpoint_record.spec_of(tree[k][2]), paths)
   old = jax.device_get(_read(path, entry, step, abstract))
   try:
-    state, resharded = reshard_lib.relay(old, state_like, saved["mesh"], data)
+    state, resharded = reshard_lib.relay(old, state_like, saved["mesh"], data, specs)
   except ValueError as e:
     raise ValueError(f"checkpoint {entry} cannot be re-laid for this mesh: {e}") from None
   return Restored(state, step, resharded)

@@ -31,6 +31,11 @@ def spec_record(spec: P) -> list:
   return entries
 
 
+def spec_of(record: list | None) -> P:
+  """`spec_record`'s inverse: [None, ['data', 'model']] -> P(None, ('data', 'model'))."""
+  return P(*[tuple(e) if isinstance(e, list) else e for e in record or ()])
+
+
 def _spec_text(spec: list | None) -> str:
   if spec is None:
     return "no mesh"
@@ -38,7 +43,7 @@ def _spec_text(spec: list | None) -> str:
                           for e in spec) + ")"
 
 
-def _mesh_text(mesh: list | None) -> str:
+def mesh_text(mesh: list | None) -> str:
   if mesh is None:
     return "no mesh (no leaf has a NamedSharding)"
   return "(" + ", ".join(f"{name}={size}" for name, size in mesh) + ")"
@@ -55,7 +60,7 @@ def _mesh(state: Any) -> list | None:
             if (s := _named_sharding(x)) is not None}
   if len(meshes) > 1:
     raise ValueError(f"the state's leaves lie on meshes of different shapes "
-                     f"({', '.join(sorted(_mesh_text(m) for m in meshes))}); a checkpoint "
+                     f"({', '.join(sorted(mesh_text(m) for m in meshes))}); a checkpoint "
                      f"records one mesh: place every leaf on the train step's mesh")
   return [[name, int(size)] for name, size in meshes.pop()] if meshes else None
 
@@ -156,6 +161,19 @@ def _config_differences(old: dict, new: dict, prefix: str = "",
   return out
 
 
+def _without(spec: list | None, axes: set) -> list | None:
+  """A recorded spec without `axes` (entries left without an axis: None)."""
+  if spec is None:
+    return None
+  entries = [[a for a in e if a not in axes] if isinstance(e, list) else
+             None if e in axes else e for e in spec]
+  entries = [None if e == [] else e[0] if isinstance(e, list) and len(e) == 1 else e
+             for e in entries]
+  while entries and entries[-1] is None:
+    entries.pop()
+  return entries
+
+
 def _counted(items: list[str]) -> list[str]:
   more = len(items) - _MAX_LISTED
   return items[:_MAX_LISTED] + ([f"(and {more} more)"] if more > 0 else [])
@@ -165,24 +183,29 @@ def differences(saved: dict, now: dict, mesh_keys: tuple[str, ...] | None = None
   """'what: checkpoint A, now B' for every config key (nested keys joined by '.'), the device
   count, the mesh, and the tree: each leaf's shape, dtype and, on the same mesh, spec.
 
-  `mesh_keys`: a restore re-laid for another mesh (`reshard`), which compares neither the
-  device counts, meshes nor shapes, but the specs; these config keys describe the mesh and may
-  differ."""
+  `mesh_keys`: a restore re-laid for another mesh (`reshard`): these config keys describe the
+  mesh and may differ; the device counts, meshes, leaves and shapes are left to the re-laying,
+  the dtypes and specs of the leaves both trees have are compared."""
   relaid = mesh_keys is not None
   out = _counted(_config_differences(saved["config"], now["config"], "", mesh_keys or ()))
   if saved["device count"] != now["device count"] and not relaid:
     out.append(f"device count: checkpoint {saved['device count']}, now {now['device count']}")
   same_mesh = "mesh" not in saved or saved["mesh"] == now["mesh"]  # format 2: on one device
   if not same_mesh and not relaid:
-    out.append(f"mesh: checkpoint {_mesh_text(saved['mesh'])}, now {_mesh_text(now['mesh'])}")
+    out.append(f"mesh: checkpoint {mesh_text(saved['mesh'])}, now {mesh_text(now['mesh'])}")
   old_tree, new_tree = saved["tree"], now["tree"]
-  tree = [f"{k} only in the checkpoint" for k in old_tree if k not in new_tree]
-  tree += [f"{k} only now" for k in new_tree if k not in old_tree]
+  tree = [] if relaid else [f"{k} only in the checkpoint" for k in old_tree if k not in new_tree]
+  tree += [] if relaid else [f"{k} only now" for k in new_tree if k not in old_tree]
+  # jax leaves axes of size 1 out of a spec: another mesh may have other such axes.
+  ones = {a for mesh in (saved.get("mesh"), now["mesh"]) if relaid and mesh
+          for a, size in mesh if size == 1}
   for k in (k for k in old_tree if k in new_tree):
     (old_shape, old_dtype, *old_spec), (shape, dtype, spec) = old_tree[k], new_tree[k]
     tree += [f"{k} {what} checkpoint {a}, now {b}" for what, a, b in
              (("shape", old_shape, shape), ("dtype", old_dtype, dtype))
              if a != b and not (relaid and what == "shape")]
+    if ones and old_spec:
+      old_spec, spec = [_without(old_spec[0], ones)], _without(spec, ones)
     if (same_mesh or relaid) and old_spec and old_spec[0] != spec:
       tree.append(f"{k} sharding checkpoint {_spec_text(old_spec[0])}, now {_spec_text(spec)}")
   if tree:

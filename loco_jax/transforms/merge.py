@@ -26,6 +26,7 @@ import numpy as np
 from loco_jax.core import buckets, layout, quant
 from loco_jax.core.leaves import ByGroup
 from loco_jax.transforms.baselines import EF21State, ErrorFeedbackState
+from loco_jax.transforms.bucket_step import group_shapes
 from loco_jax.transforms.co3 import Co3State
 from loco_jax.transforms.loco_state import GroupState, LocoState
 from loco_jax.transforms.two_hop import TwoHopState
@@ -50,11 +51,14 @@ class Devices(NamedTuple):
 
 
 Merge = Callable[[list, Any, Devices], list]
+Layout = Callable[[Any, Devices], Any]
 
 
-class _Registered(NamedTuple):
-  merge: Merge
-  how: str
+class Registered(NamedTuple):
+  """How a state type's per-device fields go to another device count."""
+  merge: Merge       # (n old devices' states, one new device's state (shapes), devices) -> m
+  how: str           # what the merge does and preserves, for the restore's record
+  layout: Layout     # (one new device's state, devices) -> one old device's (shapes)
 
 
 def mean(arrays: list) -> np.ndarray:
@@ -170,6 +174,14 @@ def _flat(codes: list, scales: list | None, row: int | None = None) -> tuple:
   return tuple(map(take, codes)), None if scales is None else tuple(map(take, scales))
 
 
+def _loco_layout(like: LocoState, devices: Devices) -> LocoState:
+  """One device's LoCo state over the old devices: its buckets depend on their count."""
+  storage, n = _storage(like.signature, "loco"), math.prod(devices.old)
+  return like._replace(groups=ByGroup({key: group_shapes(
+      _plan(like.signature, indices, n, storage), storage.error_scale is None,
+      like.groups[key].gather_error is not None) for key, indices in storage.groups}))
+
+
 def _merge_loco(states: list, like: LocoState, devices: Devices) -> list:
   storage = _storage(like.signature, "loco")
   if tuple(storage.axes) != devices.axes:
@@ -212,22 +224,45 @@ def _node_shards(per_l: list[list], old_len: int, new_len: int, new_local: int) 
   return out
 
 
-def _merge_two_hop(states: list, like: TwoHopState, devices: Devices) -> list:
+def _hops(like: TwoHopState, devices: Devices) -> tuple[_Storage, str, str, list, list]:
+  """(storage, node axis, local axis, [(nodes, local devices) before, now], per group key
+  [its hop-1 plans before and now, its hop-2 plans before and now])."""
   storage = _storage(like.signature, "two_hop")
   node, local = storage.axes
   if set(devices.axes) != {node, local}:
     raise ValueError(f"two_hop: its state is split over {devices.axes}, but its hops run over "
                      f"{storage.axes}; restore it where those are the data axes")
-  sizes = [dict(zip(devices.axes, s)) for s in (devices.old, devices.new)]
-  (nodes, locs), (new_nodes, new_locs) = [(s[node], s[local]) for s in sizes]
+  grids = [dict(zip(devices.axes, s)) for s in (devices.old, devices.new)]
+  sizes = [(g[node], g[local]) for g in grids]
+  shard = lambda rows: lambda size: layout.shard_len(size, rows)
+  plans = {key: ([_plan(like.signature, indices, locs, storage) for _, locs in sizes],
+                 [_plan(like.signature, indices, nodes, storage, shard(locs))
+                  for nodes, locs in sizes]) for key, indices in storage.groups}
+  return storage, node, local, sizes, plans
+
+
+def _two_hop_layout(like: TwoHopState, devices: Devices) -> TwoHopState:
+  """One device's two_hop state over the old devices: both hops' buckets depend on them."""
+  storage, _, _, _, plans = _hops(like, devices)
+  fields = TwoHopState._fields[1:7]
+  per_field = {f: {} for f in fields}
+  for key, (hop1, hop2) in plans.items():
+    shapes = (group_shapes(hop1[0], storage.error_scale is None, False)[:2]
+              + tuple(group_shapes(hop2[0], storage.error_scale is None,
+                                   like.gather_error is not None)))
+    for f, value in zip(fields, shapes):
+      per_field[f][key] = value
+  return like._replace(**{f: None if getattr(like, f) is None else ByGroup(per_field[f])
+                          for f in fields})
+
+
+def _merge_two_hop(states: list, like: TwoHopState, devices: Devices) -> list:
+  storage, node, local, sizes, plans = _hops(like, devices)
+  (nodes, locs), (new_nodes, new_locs) = sizes
   m = math.prod(devices.new)
   fields = {f: [dict() for _ in range(m)] for f in TwoHopState._fields[1:7]}
   at = lambda i, l: devices.linear({node: i, local: l})
-  for key, indices in storage.groups:
-    shard = lambda rows: lambda size: layout.shard_len(size, rows)
-    hop1 = [_plan(like.signature, indices, r, storage) for r in (locs, new_locs)]
-    hop2 = [_plan(like.signature, indices, n, storage, shard(r))
-            for n, r in ((nodes, locs), (new_nodes, new_locs))]
+  for key, (hop1, hop2) in plans.items():
     old_len, new_len = ([leaf.size if leaf else 0 for leaf in p.leaves] for p in hop2)
     new = {f: [None] * m for f in fields}
     if states[0].error is not None:  # intra="loco": every device's error of its whole leaves
@@ -284,23 +319,28 @@ def _merge_ef21(states: list, like: EF21State, devices: Devices) -> list:
 
 _ERROR_MEAN = ("the devices' errors decoded and averaged, every new device starting from the "
                "mean: the correction owed to the averaged update is kept")
-_MERGES: dict[type, _Registered] = {
-    LocoState: _Registered(_merge_loco, _ERROR_MEAN + " (int8: re-encoded in the new buckets); "
-                           "a quantized gather's shard errors joined and cut again"),
-    TwoHopState: _Registered(_merge_two_hop, _ERROR_MEAN + " (the node hop's per node shard); "
-                             "the node shards joined and cut again for the new local axis"),
-    Co3State: _Registered(_merge_co3, _ERROR_MEAN + "; scales and coded bits averaged"),
-    ErrorFeedbackState: _Registered(_merge_error_feedback, _ERROR_MEAN),
-    EF21State: _Registered(_merge_ef21, "g_i averaged (the estimate g, their mean, carried "
-                           "over): mean_j g'_j = g still"),
+_SAME = lambda like, devices: like  # per-leaf state: laid out alike on any device count
+_MERGES: dict[type, Registered] = {
+    LocoState: Registered(_merge_loco, _ERROR_MEAN + " (int8: re-encoded in the new buckets); "
+                          "a quantized gather's shard errors joined and cut again",
+                          _loco_layout),
+    TwoHopState: Registered(_merge_two_hop, _ERROR_MEAN + " (the node hop's per node shard); "
+                            "the node shards joined and cut again for the new local axis",
+                            _two_hop_layout),
+    Co3State: Registered(_merge_co3, _ERROR_MEAN + "; scales and coded bits averaged", _SAME),
+    ErrorFeedbackState: Registered(_merge_error_feedback, _ERROR_MEAN, _SAME),
+    EF21State: Registered(_merge_ef21, "g_i averaged (the estimate g, their mean, carried "
+                          "over): mean_j g'_j = g still", _SAME),
 }
 
 
-def register_merge(state_type: type, merge: Merge, how: str) -> None:
+def register_merge(state_type: type, merge: Merge, how: str, layout: Layout | None = None
+                   ) -> None:
   """Declares how the per-device fields of a state class of your own (`register_per_device`)
   are merged for another device count: `merge(states, like, devices)` takes the n old devices'
   states (numpy) and one new device's state (ShapeDtypeStructs) and returns the m new ones';
-  `how` says what it preserves, for the restore's record.
+  `how` says what it preserves, for the restore's record; `layout(like, devices)` gives one
+  old device's state (shapes) where it differs from a new one's (default: the same).
 
   Example:
     >>> from typing import Any, NamedTuple
@@ -312,10 +352,9 @@ def register_merge(state_type: type, merge: Merge, how: str) -> None:
   if not callable(merge) or not isinstance(how, str):
     raise ValueError(f"register_merge: merge must be callable and how a str, got "
                      f"{type(merge).__name__} and {type(how).__name__}")
-  _MERGES[state_type] = _Registered(merge, how)
+  _MERGES[state_type] = Registered(merge, how, layout or _SAME)
 
 
-def merge_of(state: Any) -> tuple[Merge, str] | None:
-  """(merge, what it preserves) of `state`'s type; None for a type no one registered."""
-  found = _MERGES.get(type(state))
-  return None if found is None else (found.merge, found.how)
+def merge_of(state: Any) -> Registered | None:
+  """The merge of `state`'s type (`Registered`); None for a type no one registered."""
+  return _MERGES.get(type(state))
