@@ -232,11 +232,10 @@ def _read(path: Path, entry: Path, step: int, abstract: Any) -> Any:
                        f"({type(e).__name__}: {e})") from e
 
 
-def _relaid(path: Path, entry: Path, step: int, saved: dict, now: dict,
+def _relaid(path: Path, entry: Path, step: int, saved: dict, data: tuple[str, ...],
             state_like: Any) -> Restored:
   """The checkpoint read with its own shapes onto one device of this process, re-laid for the
-  mesh of `state_like` (train/reshard.py)."""
-  data = reshard_lib.data_axes(saved["mesh"], now["mesh"], now["config"])
+  mesh of `state_like` over the `data` axes (train/reshard.py)."""
   try:
     paths = reshard_lib.saved_paths(state_like, saved["mesh"], data)
   except ValueError as e:
@@ -305,13 +304,20 @@ def restore(directory: str | os.PathLike, state_like: Any, config: dict,
                      f"back scrambled, so this version does not restore it; start a new "
                      f"checkpoint directory")
   relaid = reshard and saved["format"] > 2 and saved["mesh"] != now["mesh"]
-  differences = checkpoint_record.differences(saved, now, tuple(mesh_keys) if relaid else None)
+  data, differences = (), []
+  if relaid:
+    try:
+      data = reshard_lib.data_axes(saved["mesh"], now["mesh"], now["config"])
+    except ValueError as e:
+      differences.append(str(e))
+  differences = checkpoint_record.differences(
+      saved, now, tuple(mesh_keys) if relaid else None, data) + differences
   if differences:
     hint = ("" if reshard else " (or, where only the data axes' sizes differ, reshard=True)")
     raise ValueError(f"checkpoint {entry} does not match this run: " + "; ".join(differences)
                      + f". Restore with the config, mesh and state it was saved with{hint}, or "
                      "start a new directory.")
   if relaid:
-    return _relaid(path, entry, step, saved, now, state_like)
+    return _relaid(path, entry, step, saved, data, state_like)
   state = _read(path, entry, step, jax.tree.map(ocp.utils.to_shape_dtype_struct, state_like))
   return Restored(state, step, None) if reshard else (state, step)

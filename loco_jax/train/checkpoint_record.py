@@ -14,6 +14,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from loco_jax.core.trees import TreeSignature
 from loco_jax.train import files, parallel
 from loco_jax.train import sharding as sharding_lib
 from loco_jax.train.checkpoint_steps import FORMAT, MAX_METADATA_BYTES, READABLE_FORMATS
@@ -83,6 +84,16 @@ def _tree(state: Any) -> dict[str, list]:
   return tree
 
 
+def _layouts(state: Any) -> dict[str, list]:
+  """{key path: layout} of each transformation state that records how its arrays are laid out
+  (`TreeSignature.layout`: LoCo's block size, axes and error storage), which the arrays' shapes
+  may not show."""
+  found = jax.tree_util.tree_flatten_with_path(
+      state, is_leaf=lambda x: isinstance(x, TreeSignature))[0]
+  return {jax.tree_util.keystr(path): json.loads(json.dumps(x.layout)) for path, x in found
+          if isinstance(x, TreeSignature) and x.layout}
+
+
 def _device_count(state: Any) -> int:
   """Devices the state is laid out on: the largest device set of its leaves' shardings."""
   counts = [len(x.sharding.device_set) for x in jax.tree.leaves(state)
@@ -106,7 +117,7 @@ def record(step: int, state: Any, config: dict) -> dict:
   big)."""
   meta = {"format": FORMAT, "step": step, "config": _json_config(config),
           "device count": _device_count(state), "process count": jax.process_count(),
-          "mesh": _mesh(state), "tree": _tree(state)}
+          "mesh": _mesh(state), "tree": _tree(state), "layouts": _layouts(state)}
   text = json.dumps(meta).encode()
   if len(text) > MAX_METADATA_BYTES or files.json_depth(text) > files.MAX_JSON_DEPTH:
     raise ValueError(f"config must nest at most {files.MAX_JSON_DEPTH - 2} levels deep and the "
@@ -138,6 +149,8 @@ def check(meta: Any, file: Any, step: int) -> dict:
   wrong = [k for k, kind in kinds.items() if not isinstance(meta.get(k), kind)]
   if meta["format"] > 2 and not ("mesh" in meta and _is_mesh(meta["mesh"])):
     wrong.append("mesh")
+  if not isinstance(meta.get("layouts", {}), dict):
+    wrong.append("layouts")
   if wrong or meta["step"] != step or not all(
       isinstance(v, list) and len(v) == leaf_length and (leaf_length == 2 or _is_spec(v[2]))
       for v in meta["tree"].values()):
@@ -161,6 +174,10 @@ def _config_differences(old: dict, new: dict, prefix: str = "",
   return out
 
 
+def _spec_axes(spec: list | None) -> list[str]:
+  return [a for e in spec or () for a in (e if isinstance(e, list) else [e]) if a is not None]
+
+
 def _without(spec: list | None, axes: set) -> list | None:
   """A recorded spec without `axes` (entries left without an axis: None)."""
   if spec is None:
@@ -179,13 +196,15 @@ def _counted(items: list[str]) -> list[str]:
   return items[:_MAX_LISTED] + ([f"(and {more} more)"] if more > 0 else [])
 
 
-def differences(saved: dict, now: dict, mesh_keys: tuple[str, ...] | None = None) -> list[str]:
+def differences(saved: dict, now: dict, mesh_keys: tuple[str, ...] | None = None,
+                data: tuple[str, ...] = ()) -> list[str]:
   """'what: checkpoint A, now B' for every config key (nested keys joined by '.'), the device
   count, the mesh, and the tree: each leaf's shape, dtype and, on the same mesh, spec.
 
   `mesh_keys`: a restore re-laid for another mesh (`reshard`): these config keys describe the
-  mesh and may differ; the device counts, meshes, leaves and shapes are left to the re-laying,
-  the dtypes and specs of the leaves both trees have are compared."""
+  mesh and may differ; the device counts, meshes, leaves and the shapes of leaves split over
+  the `data` axes are left to the re-laying; the dtypes and specs of the leaves both trees have
+  and the shapes of the others are compared."""
   relaid = mesh_keys is not None
   out = _counted(_config_differences(saved["config"], now["config"], "", mesh_keys or ()))
   if saved["device count"] != now["device count"] and not relaid:
@@ -193,6 +212,11 @@ def differences(saved: dict, now: dict, mesh_keys: tuple[str, ...] | None = None
   same_mesh = "mesh" not in saved or saved["mesh"] == now["mesh"]  # format 2: on one device
   if not same_mesh and not relaid:
     out.append(f"mesh: checkpoint {mesh_text(saved['mesh'])}, now {mesh_text(now['mesh'])}")
+  if "layouts" in saved:  # from this version on
+    old, new = saved["layouts"], now["layouts"]
+    out += _counted([f"layout of {k}: checkpoint {old.get(k, '<absent>')}, now "
+                     f"{new.get(k, '<absent>')}" for k in sorted(set(old) | set(new))
+                     if old.get(k) != new.get(k)])
   old_tree, new_tree = saved["tree"], now["tree"]
   tree = [] if relaid else [f"{k} only in the checkpoint" for k in old_tree if k not in new_tree]
   tree += [] if relaid else [f"{k} only now" for k in new_tree if k not in old_tree]
@@ -201,9 +225,11 @@ def differences(saved: dict, now: dict, mesh_keys: tuple[str, ...] | None = None
           for a, size in mesh if size == 1}
   for k in (k for k in old_tree if k in new_tree):
     (old_shape, old_dtype, *old_spec), (shape, dtype, spec) = old_tree[k], new_tree[k]
+    on_data = relaid and any(a in data for e in (old_spec[0] if old_spec else None, spec)
+                             for a in _spec_axes(e))
     tree += [f"{k} {what} checkpoint {a}, now {b}" for what, a, b in
              (("shape", old_shape, shape), ("dtype", old_dtype, dtype))
-             if a != b and not (relaid and what == "shape")]
+             if a != b and not (on_data and what == "shape")]
     if ones and old_spec:
       old_spec, spec = [_without(old_spec[0], ones)], _without(spec, ones)
     if (same_mesh or relaid) and old_spec and old_spec[0] != spec:
