@@ -66,6 +66,8 @@ assert np.allclose(np.abs(np.asarray(updates["w"])), 3e-4, rtol=0.05), updates["
 import jax, numpy as np
 same = jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), restored, state)
 assert all(jax.tree.leaves(same)), same
+assert elastic.step == 1 and str(elastic.resharded).startswith(
+    "resharded from (data=8) to (data=4)") and np.isfinite(float(loss))
 """,
 }
 

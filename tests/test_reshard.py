@@ -189,6 +189,7 @@ def test_zero2_shards_go_8_to_4_to_8_exactly(tmp_path):
     assert (e == e[0]).all()   # every device holds the one merged error
 
 
+@pytest.mark.slow
 def test_the_same_mesh_restores_bit_for_bit_with_reshard(tmp_path):
   run = Run(parallel.data_mesh(8))
   run.train(range(2))
