@@ -1,10 +1,11 @@
 """What a checkpoint records of its run (`meta/metadata`), and what a restore compares.
 
 The record: the caller's config, the device and process counts, the mesh (axis names and
-sizes) and every leaf's shape, dtype and PartitionSpec from its NamedSharding. A global array's
-meaning can depend on its mesh (zero2's master shards, LoCo's per-device errors), so a restore
-proceeds only onto the same mesh and specs. What the arrays cannot show (data and model axes,
-the mode, each param's model split) belongs in the config: `train_layout` gives it.
+sizes), every leaf's shape, dtype and PartitionSpec from its NamedSharding, and each
+transformation state's layout (`TreeSignature.layout`). A global array's meaning can depend on
+its mesh (zero2's master shards, LoCo's per-device errors), so a restore proceeds onto the same
+mesh and specs, or is re-laid for another (train/reshard.py). What the arrays cannot show (data
+and model axes, the mode, each param's model split) belongs in the config: `train_layout`.
 """
 
 import json
