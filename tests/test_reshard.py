@@ -270,3 +270,31 @@ def test_diloco_workers_restart_from_their_mean():
   same = np.tile(np.float32([0.1, 1 / 3, 3.0]), (8, 1))
   out = reshard._per_worker(same, like, meshes, ".workers")
   assert out.tobytes() == np.tile(same[0], (4, 1)).tobytes()   # at a sync: exactly the params
+
+
+@pytest.mark.slow
+def test_a_tree_record_that_lies_is_refused(tmp_path):
+  """Shapes and dtypes come from the checkpoint's record when it is re-laid: a record altered
+  (and its marker with it) is a ValueError naming the file, not a crash."""
+  import json
+  from loco_jax.train import files
+  run = Run(parallel.data_mesh(8))
+  step_dir = checkpoint.save(tmp_path, 1, run.state, run.config)
+  four = Run(parallel.data_mesh(4))
+  error = ".compressor_state.groups[''].error[0]"
+  original = json.loads((step_dir / "meta" / "metadata").read_text())
+  for key, shape, dtype, match in (
+      (".params['b1']", [-1], "float32", re.escape("shape checkpoint [-1], now [32]")),
+      (".params['b1']", [32], "no-such-dtype", "dtype checkpoint no-such-dtype, now float32"),
+      (error, [-8], "int8", "the tree's shapes and dtypes are malformed")):
+    meta_file = step_dir / "meta" / "metadata"
+    meta = json.loads(json.dumps(original))
+    meta["tree"][key][:2] = [shape, dtype]
+    meta_file.write_text(json.dumps(meta))
+    marker = step_dir / checkpoint.COMMIT
+    commit = json.loads(marker.read_text())
+    commit["files"] = files.digests(step_dir, exclude=(checkpoint.COMMIT,))
+    marker.write_text(json.dumps(commit, indent=2) + "\n")
+    with pytest.raises(ValueError, match=match):
+      checkpoint.restore(tmp_path, four.state, four.config, reshard=True,
+                         mesh_keys=("devices",))

@@ -249,8 +249,15 @@ def _relaid(path: Path, entry: Path, step: int, saved: dict, data: tuple[str, ..
                      + ", ".join((extra + missing)[:3]) + ". Restore with the model, mode and "
                      "transformations it was saved with.")
   single = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-  abstract = jax.tree.map(lambda k: jax.ShapeDtypeStruct(
-      tuple(tree[k][0]), jax.numpy.dtype(tree[k][1]), sharding=single), paths)
+  try:  # the record is not trusted: shapes of ints >= 0, a dtype jax knows
+    if not all(isinstance(tree[k][0], list) and all(type(n) is int and n >= 0
+                                                    for n in tree[k][0]) for k in tree):
+      raise ValueError("a shape is not a list of ints >= 0")
+    abstract = jax.tree.map(lambda k: jax.ShapeDtypeStruct(
+        tuple(tree[k][0]), jax.numpy.dtype(tree[k][1]), sharding=single), paths)
+  except (TypeError, ValueError) as e:
+    raise ValueError(f"{entry / META_FILE}: the tree's shapes and dtypes are malformed "
+                     f"({e})") from None
   specs = jax.tree.map(lambda k: checkpoint_record.spec_of(tree[k][2]), paths)
   old = jax.device_get(_read(path, entry, step, abstract))
   try:

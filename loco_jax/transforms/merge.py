@@ -39,11 +39,6 @@ class Devices(NamedTuple):
   old: tuple[int, ...]
   new: tuple[int, ...]
 
-  def index(self, d: int, new: bool = False) -> dict[str, int]:
-    """Device d's position along each axis."""
-    sizes = self.new if new else self.old
-    return dict(zip(self.axes, (int(i) for i in np.unravel_index(d, sizes))))
-
   def linear(self, where: dict[str, int], new: bool = False) -> int:
     """The device at `where` (a position along each axis)."""
     sizes = self.new if new else self.old
