@@ -20,7 +20,10 @@ each evaluation; checkpoints/, `loco_jax.train.checkpoint` of the whole TrainSta
 adamw state and its count, every device's LoCo error and its count) every --checkpoint-every
 steps, the newest two kept. The same command continues a run from its newest checkpoint and
 drops the records after it, which it then measures again: the batch of step i depends on
-(seed, i) only, so the resumed curve is the uninterrupted one.
+(seed, i) only, so the resumed curve is the uninterrupted one. Given another --devices (and
+--batch-per-device keeping devices * batch_per_device, the global batch and so the data order),
+it continues on that many: the checkpoint is re-laid for them (`checkpoint.restore(reshard=True)`,
+every device's LoCo error the mean of the old ones) and the segment's first record says how.
 """
 
 from __future__ import annotations
@@ -238,15 +241,27 @@ def write_records(path: Path, records: list[dict]) -> None:
   files.write_atomic(path, "".join(json.dumps(r) + "\n" for r in records))
 
 
+# What a run may continue with on another number of devices: the global batch (and so the data
+# order) stays devices * batch_per_device.
+MESH_KEYS = ("devices", "batch_per_device")
+
+
 def check_same_config(path: Path, config: LongRunConfig) -> None:
-  """Writes config.json for a new run; ValueError if an existing run's differs."""
+  """Writes config.json for a new run; ValueError if an existing run's differs, but in
+  --devices and --batch-per-device with the same global batch (devices * batch_per_device)."""
   from loco_jax.train import files
   want = dataclasses.asdict(config)
   if path.exists():
     # A field added since the run started has its default there.
     have = {**dataclasses.asdict(LongRunConfig()), **json.loads(path.read_text())}
+    same_batch = (have["devices"] * have["batch_per_device"]
+                  == config.devices * config.batch_per_device)
     diff = [f"{k}: run {have.get(k)!r}, now {want.get(k)!r}" for k in sorted(set(have) | set(want))
-            if have.get(k) != want.get(k)]
+            if have.get(k) != want.get(k) and not (k in MESH_KEYS and same_batch)]
+    if not same_batch:
+      diff.append(f"global batch: run {have['devices']} x {have['batch_per_device']}, now "
+                  f"{config.devices} x {config.batch_per_device} (another number of devices "
+                  f"keeps devices * batch_per_device)")
     if diff:
       raise ValueError(f"{path} is another run's: {'; '.join(diff)}. Resume with its settings "
                        f"or use another --out")
@@ -327,23 +342,26 @@ def measure(config: LongRunConfig, built: Built, state: Any, step: int, losses: 
       "param_norm": param_norm(state.params),
       "error": error_stats(state.compressor_state, config.devices),
       "step_time_s": float(np.median(times)) if times else None,
-      "wall_s": wall_s, "segment": segment}
+      "wall_s": wall_s, "segment": segment, "devices": config.devices}
 
 
 def resume(config: LongRunConfig, folder: Path, built: Built,
-           records: list[dict]) -> tuple[Any, int, list[dict]]:
-  """(state, step, records) from the newest checkpoint, or the fresh state at step 0; the
-  records after that step are dropped (they will be measured again)."""
+           records: list[dict]) -> tuple[Any, int, list[dict], str | None]:
+  """(state, step, records, how it was resharded) from the newest checkpoint, or the fresh
+  state at step 0; the records after that step are dropped (they will be measured again). A
+  checkpoint of another --devices is re-laid for this one (`checkpoint.restore(reshard=True)`:
+  LoCo's errors averaged over the old devices)."""
   from loco_jax.train import checkpoint
   directory = folder / "checkpoints"
   if checkpoint.latest_step(directory) is None:
-    return built.state, 0, []
-  state, step = checkpoint.restore(directory, built.state, dataclasses.asdict(config))
+    return built.state, 0, [], None
+  state, step, resharded = checkpoint.restore(directory, built.state, dataclasses.asdict(config),
+                                              reshard=True, mesh_keys=MESH_KEYS)
   kept = [r for r in records if r["step"] <= step]
   if not kept or kept[-1]["step"] != step:
     raise ValueError(f"{folder}: checkpoint {step} has no record of its evaluation in "
                      f"records.jsonl; the run's files do not belong together")
-  return state, step, kept
+  return state, step, kept, None if resharded is None else str(resharded)
 
 
 def run(config: LongRunConfig, out: Path, kill_after: int | None = None) -> list[dict]:
@@ -366,12 +384,14 @@ def run(config: LongRunConfig, out: Path, kill_after: int | None = None) -> list
       return records
     text = Text(config)
     built = build(config, text)
-    state, done, records = resume(config, folder, built, records)
+    state, done, records, resharded = resume(config, folder, built, records)
     wall, segment = (records[-1]["wall_s"], records[-1]["segment"] + 1) if records else (0.0, 0)
     elapsed = lambda: wall + time.perf_counter() - start_time
-    print(f"{config.name}: {'from step ' + str(done) if done else 'new'}, "
-          f"{text.epochs(config.steps):.2f} epochs of {len(text.train):,} train bytes in "
+    print(f"{config.name}: {'from step ' + str(done) if done else 'new'} on {config.devices} "
+          f"devices, {text.epochs(config.steps):.2f} epochs of {len(text.train):,} train bytes in "
           f"{config.steps} steps, compiled in {built.compile_s:.0f} s", file=sys.stderr, flush=True)
+    if resharded:
+      print(f"{config.name}: {resharded}", file=sys.stderr, flush=True)
     if not records:
       records = [measure(config, built, state, 0, [], [], elapsed(), segment)]
       write_records(path, records)
@@ -384,6 +404,8 @@ def run(config: LongRunConfig, out: Path, kill_after: int | None = None) -> list
       done = i + 1
       if done % config.eval_every == 0 or done == config.steps:
         records.append(measure(config, built, state, done, losses, times, elapsed(), segment))
+        if resharded:  # the first record of a segment resumed on another mesh says how
+          records[-1]["resharded"], resharded = resharded, None
         write_records(path, records)
         r = records[-1]
         print(f"{config.name} {done:>6}: train {r['train_loss']:.4f} eval {r['eval_loss']:.4f} "

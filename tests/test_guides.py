@@ -74,6 +74,8 @@ assert not np.array_equal(np.asarray(state.params["w"]), np.asarray(params["w"])
 import jax, numpy as np
 same = jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), restored, state)
 assert all(jax.tree.leaves(same)), same
+assert elastic.step == 1 and str(elastic.resharded).startswith(
+    "resharded from (data=8) to (data=4)") and np.isfinite(float(loss))
 """,
 }
 

@@ -144,6 +144,49 @@ def test_other_settings_do_not_resume_a_run(short_runs, capsys):
   assert {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()} == before
 
 
+@pytest.mark.slow
+def test_a_run_continues_on_another_number_of_devices(short_runs, tmp_path, capsys):
+  """The uninterrupted loco run's folder, cut back to its checkpoint of step 24, continues on
+  4 devices of 2 windows each: the same global batch, so the same data; LoCo's errors merged."""
+  import shutil
+  whole, _, _ = short_runs
+  folder = tmp_path / f"{LOCO}-s0"
+  shutil.copytree(whole / folder.name, folder)
+  expected = _records(folder)
+  (folder / "records.jsonl").write_text("".join(
+      json.dumps(r) + "\n" for r in expected if r["step"] <= KILL))
+  four = [*TINY, "--out", str(tmp_path), "--devices", "4", "--batch-per-device", "2"]
+  assert long_run.main(["run", "--method", LOCO, *four[:-2], "--batch-per-device", "1"]) == 2
+  assert "global batch: run 8 x 1, now 4 x 1" in capsys.readouterr().err
+  assert long_run.main(["run", "--method", LOCO, *four]) == 0
+  assert "resharded from (data=8) to (data=4)" in capsys.readouterr().err
+  resumed = _records(folder)
+  assert [r["step"] for r in resumed] == [r["step"] for r in expected]
+  assert [r.get("devices", 8) for r in resumed] == [8 if r["step"] <= KILL else 4
+                                                    for r in resumed]
+  first = next(r for r in resumed if r["step"] > KILL)
+  assert "LocoState" in first["resharded"]
+  # Step 25 runs on the params of step 24, restored exactly, and the same batch.
+  after = [r for r in expected if r["step"] > KILL]
+  assert first["train_losses"][0] == pytest.approx(after[0]["train_losses"][0], rel=1e-5)
+  mine = np.concatenate([r["train_losses"] for r in resumed if r["step"] > KILL])
+  theirs = np.concatenate([r["train_losses"] for r in after])
+  noise = np.mean(np.abs(np.diff(np.concatenate([r["train_losses"] for r in expected]))))
+  assert np.abs(mine - theirs).max() <= noise
+
+
+def test_another_number_of_devices_must_keep_the_global_batch(tmp_path):
+  path = tmp_path / "config.json"
+  config = long_run.LongRunConfig(method="loco4")
+  long_run.check_same_config(path, config)
+  long_run.check_same_config(path, dataclasses.replace(config, devices=4, batch_per_device=2))
+  with pytest.raises(ValueError, match=r"global batch: run 8 x 1, now 2 x 2"):
+    long_run.check_same_config(path, dataclasses.replace(config, devices=2, batch_per_device=2))
+  with pytest.raises(ValueError, match=r"seed: run 0, now 1"):
+    long_run.check_same_config(path, dataclasses.replace(config, devices=4, batch_per_device=2,
+                                                         seed=1))
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--method", "loco5"], "unknown method 'loco5'"),
     (["--method", "ef4-r8"], "ef4 has none"),

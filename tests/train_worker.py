@@ -4,7 +4,8 @@ Usage (one process of 8 CPU devices, zero2 + LoCo, a checkpoint every 5 steps):
   python train_worker.py --steps 20 --losses L.txt --ckpt-dir D --ckpt-every 5
 Several processes: add --num-processes 2 --process-id I --port P --devices-per-process 4.
 Appends "step loss" lines (step = updates done, loss = repr of that update's mean loss) to
---losses (process 0 only) and resumes from the newest checkpoint in --ckpt-dir if there is one.
+--losses (process 0 only) and resumes from the newest checkpoint in --ckpt-dir if there is one;
+with --elastic, also from a checkpoint of another device count (`reshard=True`).
 """
 
 import argparse
@@ -107,6 +108,10 @@ def _args() -> argparse.Namespace:
   p.add_argument("--num-processes", type=int, default=1)
   p.add_argument("--port", type=int, default=0)
   p.add_argument("--devices-per-process", type=int, default=8)
+  p.add_argument("--elastic", action="store_true",
+                 help="resume from a checkpoint of another device count too")
+  p.add_argument("--heartbeat-timeout", type=int, default=100,
+                 help="seconds before jax.distributed declares a silent peer dead")
   return p.parse_args()
 
 
@@ -117,12 +122,18 @@ def main() -> None:
   jax.config.update("jax_num_cpu_devices", args.devices_per_process)
   if args.num_processes > 1:
     parallel.initialize(f"127.0.0.1:{args.port}", args.num_processes, args.process_id,
-                        initialization_timeout=60)
+                        initialization_timeout=60,
+                        heartbeat_timeout_seconds=args.heartbeat_timeout)
   mesh = parallel.data_mesh()
   state, step_fn, config = build(args.mode, args.hidden, mesh)
   done = 0
   if args.ckpt_dir is not None and checkpoint.latest_step(args.ckpt_dir) is not None:
-    state, done = checkpoint.restore(args.ckpt_dir, state, config)
+    if args.elastic:
+      state, done, resharded = checkpoint.restore(args.ckpt_dir, state, config, reshard=True,
+                                                  mesh_keys=("devices",))
+      print(resharded or "on the same mesh", flush=True)
+    else:
+      state, done = checkpoint.restore(args.ckpt_dir, state, config)
     assert int(state.step) == done, (int(state.step), done)
     print(f"resumed from step {done}", flush=True)
   log = open(args.losses, "a") if args.process_id == 0 else None

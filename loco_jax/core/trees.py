@@ -67,7 +67,9 @@ class TreeSignature:
   """A tree's structure, leaf shapes and which leaves are floats, kept as static pytree
   metadata: a state field that holds no array, costs nothing under jit, and lets a
   transformation whose state does not mirror the params (LoCo's buckets) check each gradient
-  tree against the params it was initialised with.
+  tree against the params it was initialised with. `layout`: what else laid the state's arrays
+  out (LoCo: its block size and axes, `buckets.plan`'s arguments), a tuple of (name, value)
+  pairs, so that train/reshard.py can re-lay them for another device count.
 
   Example:
     >>> sig = TreeSignature.of({"w": jnp.ones((2, 3))})
@@ -79,16 +81,17 @@ initialised with have (2, 3) there. The gradient tree must have the structure an
 of the params given to init.
   """
 
-  def __init__(self, treedef: Any, shapes: tuple, floats: tuple):
-    self.treedef, self.shapes, self.floats = treedef, shapes, floats
+  def __init__(self, treedef: Any, shapes: tuple, floats: tuple, layout: tuple = ()):
+    self.treedef, self.shapes, self.floats, self.layout = treedef, shapes, floats, layout
 
   @classmethod
-  def of(cls, tree: Any) -> "TreeSignature":
+  def of(cls, tree: Any, layout: tuple = ()) -> "TreeSignature":
     leaves, treedef = jax.tree.flatten(tree)
-    return cls(treedef, tuple(_shape(x) for x in leaves), tuple(_is_float(x) for x in leaves))
+    return cls(treedef, tuple(_shape(x) for x in leaves), tuple(_is_float(x) for x in leaves),
+               layout)
 
   def tree_flatten(self):
-    return (), (self.treedef, self.shapes, self.floats)
+    return (), (self.treedef, self.shapes, self.floats, self.layout)
 
   @classmethod
   def tree_unflatten(cls, aux, children):

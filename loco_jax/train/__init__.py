@@ -1,1 +1,2 @@
-"""Training on meshes: ddp, zero2 and fsdp train steps, multi-host set-up, checkpoints."""
+"""Training on meshes: ddp, zero2, fsdp and diloco train steps, multi-host set-up, checkpoints
+(re-laid for another mesh on restore)."""

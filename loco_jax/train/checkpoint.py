@@ -11,11 +11,12 @@ directory at or above its step.
 Checkpoints from disk are not trusted: `restore` and `metadata` check every file against the
 marker and raise a ValueError naming the path and what is wrong. A restore also needs the same
 config, device count, mesh and tree, else a ValueError names each difference, e.g. "mesh:
-checkpoint (data=4, model=2), now (data=8)". Another mesh is refused, not re-sharded: the
-per-device errors and the zero2 shards mean nothing on another mesh. Put
-`train_layout(mesh, params, mode=...)` in the config to check what the arrays cannot show.
-Format 2 checkpoints (no mesh record) restore on one device only. Multi-host: every process
-calls `save` and `restore` alike, on a shared directory; process 0 writes the marker.
+checkpoint (data=4, model=2), now (data=8)". With `reshard=True` a mesh whose data axes have
+other sizes is accepted: the state is re-laid for it (train/reshard.py: master shards re-cut,
+per-device errors merged) and the result says how. Put `train_layout(mesh, params, mode=...)`
+in the config to check what the arrays cannot show. Format 2 checkpoints (no mesh record)
+restore on one device only. Multi-host: every process calls `save` and `restore` alike, on a
+shared directory; process 0 writes the marker.
 """
 
 import asyncio
@@ -30,11 +31,13 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from loco_jax.train import checkpoint_record, checkpoint_steps
+from loco_jax.train import checkpoint_record, checkpoint_steps, reshard as reshard_lib
 from loco_jax.train.checkpoint_record import train_layout
+from loco_jax.train.reshard import Restored
 from loco_jax.train.checkpoint_steps import COMMIT, FORMAT, META_FILE
 
-__all__ = ["COMMIT", "FORMAT", "latest_step", "metadata", "restore", "save", "train_layout"]
+__all__ = ["COMMIT", "FORMAT", "Restored", "latest_step", "metadata", "restore", "save",
+           "train_layout"]
 
 _STATE, _META = "state", "meta"
 _FINISH_S = 60.0
@@ -218,14 +221,67 @@ def metadata(directory: str | os.PathLike, step: int | None = None) -> dict:
   return _read_metadata(entry, step)
 
 
+def _read(path: Path, entry: Path, step: int, abstract: Any) -> Any:
+  """Orbax's read of the state into `abstract` (its tree, shapes, dtypes and shardings)."""
+  with _manager(path, read_only=True) as manager:
+    try:
+      return manager.restore(step, args=ocp.args.Composite(
+          **{_STATE: ocp.args.StandardRestore(abstract)}))[_STATE]
+    except Exception as e:  # whatever orbax makes of files that passed the digests
+      raise ValueError(f"{entry / _STATE}: orbax cannot read the state "
+                       f"({type(e).__name__}: {e})") from e
+
+
+def _relaid(path: Path, entry: Path, step: int, saved: dict, data: tuple[str, ...],
+            state_like: Any) -> Restored:
+  """The checkpoint read with its own shapes onto one device of this process, re-laid for the
+  mesh of `state_like` over the `data` axes (train/reshard.py)."""
+  try:
+    paths = reshard_lib.saved_paths(state_like, saved["mesh"], data)
+  except ValueError as e:
+    raise ValueError(f"checkpoint {entry} cannot be re-laid for this mesh: {e}") from None
+  tree, listed = saved["tree"], jax.tree.leaves(paths)
+  extra = [f"{k} only in the checkpoint" for k in tree if k not in set(listed)]
+  missing = [f"{k} only now" for k in listed if k not in tree]
+  if extra or missing:
+    raise ValueError(f"checkpoint {entry} does not match this run on its mesh "
+                     f"{checkpoint_record.mesh_text(saved['mesh'])}: tree: "
+                     + ", ".join((extra + missing)[:3]) + ". Restore with the model, mode and "
+                     "transformations it was saved with.")
+  single = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  try:  # the record is not trusted: shapes of ints >= 0, a dtype jax knows
+    if not all(isinstance(tree[k][0], list) and all(type(n) is int and n >= 0
+                                                    for n in tree[k][0]) for k in tree):
+      raise ValueError("a shape is not a list of ints >= 0")
+    abstract = jax.tree.map(lambda k: jax.ShapeDtypeStruct(
+        tuple(tree[k][0]), jax.numpy.dtype(tree[k][1]), sharding=single), paths)
+  except (TypeError, ValueError) as e:
+    raise ValueError(f"{entry / META_FILE}: the tree's shapes and dtypes are malformed "
+                     f"({e})") from None
+  specs = jax.tree.map(lambda k: checkpoint_record.spec_of(tree[k][2]), paths)
+  old = jax.device_get(_read(path, entry, step, abstract))
+  try:
+    state, resharded = reshard_lib.relay(old, state_like, saved["mesh"], data, specs)
+  except ValueError as e:
+    raise ValueError(f"checkpoint {entry} cannot be re-laid for this mesh: {e}") from None
+  return Restored(state, step, resharded)
+
+
 def restore(directory: str | os.PathLike, state_like: Any, config: dict,
-            step: int | None = None) -> tuple[Any, int]:
+            step: int | None = None, *, reshard: bool = False,
+            mesh_keys: tuple[str, ...] = ()) -> tuple[Any, int] | Restored:
   """Reads checkpoint `step` (the newest complete one by default) into the layout of
   `state_like`.
 
   `state_like` is a state of the same run (a fresh one, or `jax.ShapeDtypeStruct` leaves with
   shardings): the result has its tree, dtypes and shardings. A ValueError lists every
   difference of files, config, devices, mesh or tree, and nothing is read. Returns (state, step).
+
+  `reshard=True` also accepts a mesh whose data axes have other sizes, the model, mode and
+  transformations the same (train/reshard.py says how each leaf is re-laid; LoCo's errors are
+  averaged over the old devices). `mesh_keys`: the config keys that describe the mesh and may
+  then differ (e.g. "devices"). Returns `Restored(state, step, resharded)`, where `resharded`
+  says how, or is None on the same mesh (restored as saved, bit for bit).
 
   Example:
     >>> import tempfile
@@ -241,6 +297,9 @@ def restore(directory: str | os.PathLike, state_like: Any, config: dict,
     ...
     ValueError: checkpoint .../7 does not match this run: model: checkpoint 'mlp', now 'gpt'...
   """
+  if mesh_keys and not reshard:
+    raise ValueError(f"mesh_keys={mesh_keys!r} name config keys that may differ on another "
+                     f"mesh: pass reshard=True with them")
   path = _existing_directory(directory)
   now = checkpoint_record.record(0, state_like, config)
   step, entry = _resolve(path, step)
@@ -251,17 +310,21 @@ def restore(directory: str | os.PathLike, state_like: Any, config: dict,
                      f"arrays were laid out on is unknown, and on another mesh they would come "
                      f"back scrambled, so this version does not restore it; start a new "
                      f"checkpoint directory")
-  differences = checkpoint_record.differences(saved, now)
-  if differences:
-    raise ValueError(f"checkpoint {entry} does not match this run: " + "; ".join(differences)
-                     + ". Restore with the config, mesh and state it was saved with (re-sharding "
-                     "onto another mesh is not supported), or start a new directory.")
-  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state_like)
-  with _manager(path, read_only=True) as manager:
+  relaid = reshard and saved["format"] > 2 and saved["mesh"] != now["mesh"]
+  data, differences = (), []
+  if relaid:
     try:
-      state = manager.restore(step, args=ocp.args.Composite(
-          **{_STATE: ocp.args.StandardRestore(abstract)}))[_STATE]
-    except Exception as e:  # whatever orbax makes of files that passed the digests
-      raise ValueError(f"{entry / _STATE}: orbax cannot read the state "
-                       f"({type(e).__name__}: {e})") from e
-  return state, step
+      data = reshard_lib.data_axes(saved["mesh"], now["mesh"], now["config"])
+    except ValueError as e:
+      differences.append(str(e))
+  differences = checkpoint_record.differences(
+      saved, now, tuple(mesh_keys) if relaid else None, data) + differences
+  if differences:
+    hint = ("" if reshard else " (or, where only the data axes' sizes differ, reshard=True)")
+    raise ValueError(f"checkpoint {entry} does not match this run: " + "; ".join(differences)
+                     + f". Restore with the config, mesh and state it was saved with{hint}, or "
+                     "start a new directory.")
+  if relaid:
+    return _relaid(path, entry, step, saved, data, state_like)
+  state = _read(path, entry, step, jax.tree.map(ocp.utils.to_shape_dtype_struct, state_like))
+  return Restored(state, step, None) if reshard else (state, step)

@@ -1,10 +1,11 @@
 """What a checkpoint records of its run (`meta/metadata`), and what a restore compares.
 
 The record: the caller's config, the device and process counts, the mesh (axis names and
-sizes) and every leaf's shape, dtype and PartitionSpec from its NamedSharding. A global array's
-meaning can depend on its mesh (zero2's master shards, LoCo's per-device errors), so a restore
-proceeds only onto the same mesh and specs. What the arrays cannot show (data and model axes,
-the mode, each param's model split) belongs in the config: `train_layout` gives it.
+sizes), every leaf's shape, dtype and PartitionSpec from its NamedSharding, and each
+transformation state's layout (`TreeSignature.layout`). A global array's meaning can depend on
+its mesh (zero2's master shards, LoCo's per-device errors), so a restore proceeds onto the same
+mesh and specs, or is re-laid for another (train/reshard.py). What the arrays cannot show (data
+and model axes, the mode, each param's model split) belongs in the config: `train_layout`.
 """
 
 import json
@@ -14,6 +15,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from loco_jax.core.trees import TreeSignature
 from loco_jax.train import files, parallel
 from loco_jax.train import sharding as sharding_lib
 from loco_jax.train.checkpoint_steps import FORMAT, MAX_METADATA_BYTES, READABLE_FORMATS
@@ -31,6 +33,11 @@ def spec_record(spec: P) -> list:
   return entries
 
 
+def spec_of(record: list | None) -> P:
+  """`spec_record`'s inverse: [None, ['data', 'model']] -> P(None, ('data', 'model'))."""
+  return P(*[tuple(e) if isinstance(e, list) else e for e in record or ()])
+
+
 def _spec_text(spec: list | None) -> str:
   if spec is None:
     return "no mesh"
@@ -38,7 +45,7 @@ def _spec_text(spec: list | None) -> str:
                           for e in spec) + ")"
 
 
-def _mesh_text(mesh: list | None) -> str:
+def mesh_text(mesh: list | None) -> str:
   if mesh is None:
     return "no mesh (no leaf has a NamedSharding)"
   return "(" + ", ".join(f"{name}={size}" for name, size in mesh) + ")"
@@ -55,7 +62,7 @@ def _mesh(state: Any) -> list | None:
             if (s := _named_sharding(x)) is not None}
   if len(meshes) > 1:
     raise ValueError(f"the state's leaves lie on meshes of different shapes "
-                     f"({', '.join(sorted(_mesh_text(m) for m in meshes))}); a checkpoint "
+                     f"({', '.join(sorted(mesh_text(m) for m in meshes))}); a checkpoint "
                      f"records one mesh: place every leaf on the train step's mesh")
   return [[name, int(size)] for name, size in meshes.pop()] if meshes else None
 
@@ -76,6 +83,16 @@ def _tree(state: Any) -> dict[str, list]:
                        f"checkpoint cannot record: place it with a NamedSharding")
     tree[key] = [list(x.shape), str(x.dtype), None if named is None else spec_record(named.spec)]
   return tree
+
+
+def _layouts(state: Any) -> dict[str, list]:
+  """{key path: layout} of each transformation state that records how its arrays are laid out
+  (`TreeSignature.layout`: LoCo's block size, axes and error storage), which the arrays' shapes
+  may not show."""
+  found = jax.tree_util.tree_flatten_with_path(
+      state, is_leaf=lambda x: isinstance(x, TreeSignature))[0]
+  return {jax.tree_util.keystr(path): json.loads(json.dumps(x.layout)) for path, x in found
+          if isinstance(x, TreeSignature) and x.layout}
 
 
 def _device_count(state: Any) -> int:
@@ -101,7 +118,7 @@ def record(step: int, state: Any, config: dict) -> dict:
   big)."""
   meta = {"format": FORMAT, "step": step, "config": _json_config(config),
           "device count": _device_count(state), "process count": jax.process_count(),
-          "mesh": _mesh(state), "tree": _tree(state)}
+          "mesh": _mesh(state), "tree": _tree(state), "layouts": _layouts(state)}
   text = json.dumps(meta).encode()
   if len(text) > MAX_METADATA_BYTES or files.json_depth(text) > files.MAX_JSON_DEPTH:
     raise ValueError(f"config must nest at most {files.MAX_JSON_DEPTH - 2} levels deep and the "
@@ -133,6 +150,8 @@ def check(meta: Any, file: Any, step: int) -> dict:
   wrong = [k for k, kind in kinds.items() if not isinstance(meta.get(k), kind)]
   if meta["format"] > 2 and not ("mesh" in meta and _is_mesh(meta["mesh"])):
     wrong.append("mesh")
+  if not isinstance(meta.get("layouts", {}), dict):
+    wrong.append("layouts")
   if wrong or meta["step"] != step or not all(
       isinstance(v, list) and len(v) == leaf_length and (leaf_length == 2 or _is_spec(v[2]))
       for v in meta["tree"].values()):
@@ -142,15 +161,35 @@ def check(meta: Any, file: Any, step: int) -> dict:
   return meta
 
 
-def _config_differences(old: dict, new: dict, prefix: str = "") -> list[str]:
+def _config_differences(old: dict, new: dict, prefix: str = "",
+                        ignored: tuple = ()) -> list[str]:
   out = []
   for key in sorted(set(old) | set(new), key=str):
     a, b = old.get(key, "<absent>"), new.get(key, "<absent>")
+    if f"{prefix}{key}" in ignored:
+      continue
     if isinstance(a, dict) and isinstance(b, dict):
-      out += _config_differences(a, b, f"{prefix}{key}.")
+      out += _config_differences(a, b, f"{prefix}{key}.", ignored)
     elif a != b:
       out.append(f"{prefix}{key}: checkpoint {a!r}, now {b!r}")
   return out
+
+
+def _spec_axes(spec: list | None) -> list[str]:
+  return [a for e in spec or () for a in (e if isinstance(e, list) else [e]) if a is not None]
+
+
+def _without(spec: list | None, axes: set) -> list | None:
+  """A recorded spec without `axes` (entries left without an axis: None)."""
+  if spec is None:
+    return None
+  entries = [[a for a in e if a not in axes] if isinstance(e, list) else
+             None if e in axes else e for e in spec]
+  entries = [None if e == [] else e[0] if isinstance(e, list) and len(e) == 1 else e
+             for e in entries]
+  while entries and entries[-1] is None:
+    entries.pop()
+  return entries
 
 
 def _counted(items: list[str]) -> list[str]:
@@ -158,23 +197,43 @@ def _counted(items: list[str]) -> list[str]:
   return items[:_MAX_LISTED] + ([f"(and {more} more)"] if more > 0 else [])
 
 
-def differences(saved: dict, now: dict) -> list[str]:
+def differences(saved: dict, now: dict, mesh_keys: tuple[str, ...] | None = None,
+                data: tuple[str, ...] = ()) -> list[str]:
   """'what: checkpoint A, now B' for every config key (nested keys joined by '.'), the device
-  count, the mesh, and the tree: each leaf's shape, dtype and, on the same mesh, spec."""
-  out = _counted(_config_differences(saved["config"], now["config"]))
-  if saved["device count"] != now["device count"]:
+  count, the mesh, and the tree: each leaf's shape, dtype and, on the same mesh, spec.
+
+  `mesh_keys`: a restore re-laid for another mesh (`reshard`): these config keys describe the
+  mesh and may differ; the device counts, meshes, leaves and the shapes of leaves split over
+  the `data` axes are left to the re-laying; the dtypes and specs of the leaves both trees have
+  and the shapes of the others are compared."""
+  relaid = mesh_keys is not None
+  out = _counted(_config_differences(saved["config"], now["config"], "", mesh_keys or ()))
+  if saved["device count"] != now["device count"] and not relaid:
     out.append(f"device count: checkpoint {saved['device count']}, now {now['device count']}")
   same_mesh = "mesh" not in saved or saved["mesh"] == now["mesh"]  # format 2: on one device
-  if not same_mesh:
-    out.append(f"mesh: checkpoint {_mesh_text(saved['mesh'])}, now {_mesh_text(now['mesh'])}")
+  if not same_mesh and not relaid:
+    out.append(f"mesh: checkpoint {mesh_text(saved['mesh'])}, now {mesh_text(now['mesh'])}")
+  if "layouts" in saved:  # from this version on
+    old, new = saved["layouts"], now["layouts"]
+    out += _counted([f"layout of {k}: checkpoint {old.get(k, '<absent>')}, now "
+                     f"{new.get(k, '<absent>')}" for k in sorted(set(old) | set(new))
+                     if old.get(k) != new.get(k)])
   old_tree, new_tree = saved["tree"], now["tree"]
-  tree = [f"{k} only in the checkpoint" for k in old_tree if k not in new_tree]
-  tree += [f"{k} only now" for k in new_tree if k not in old_tree]
+  tree = [] if relaid else [f"{k} only in the checkpoint" for k in old_tree if k not in new_tree]
+  tree += [] if relaid else [f"{k} only now" for k in new_tree if k not in old_tree]
+  # jax leaves axes of size 1 out of a spec: another mesh may have other such axes.
+  ones = {a for mesh in (saved.get("mesh"), now["mesh"]) if relaid and mesh
+          for a, size in mesh if size == 1}
   for k in (k for k in old_tree if k in new_tree):
     (old_shape, old_dtype, *old_spec), (shape, dtype, spec) = old_tree[k], new_tree[k]
+    on_data = relaid and any(a in data for e in (old_spec[0] if old_spec else None, spec)
+                             for a in _spec_axes(e))
     tree += [f"{k} {what} checkpoint {a}, now {b}" for what, a, b in
-             (("shape", old_shape, shape), ("dtype", old_dtype, dtype)) if a != b]
-    if same_mesh and old_spec and old_spec[0] != spec:
+             (("shape", old_shape, shape), ("dtype", old_dtype, dtype))
+             if a != b and not (on_data and what == "shape")]
+    if ones and old_spec:
+      old_spec, spec = [_without(old_spec[0], ones)], _without(spec, ones)
+    if (same_mesh or relaid) and old_spec and old_spec[0] != spec:
       tree.append(f"{k} sharding checkpoint {_spec_text(old_spec[0])}, now {_spec_text(spec)}")
   if tree:
     more = f" (and {len(tree) - 3} more)" if len(tree) > 3 else ""

@@ -20,7 +20,7 @@ from loco_jax.core import args, buckets, leaves, local_blocks, trees, workaround
 from loco_jax.core.layout import AxisName
 from loco_jax.transforms.bucket_step import (Averaging, average, bucket_plans, compress_buckets,
                                              group_shapes, is_due)
-from loco_jax.transforms.loco_state import GroupState, LocoState, check_state
+from loco_jax.transforms.loco_state import GroupState, LocoState, bucket_layout, check_state
 from loco_jax.transforms.settings import GATHER_MODES, LocoSettings, resolve
 
 
@@ -130,8 +130,9 @@ def init(s: LocoSettings, mode: Averaging, params: Any) -> LocoState:
     return LocoState(jnp.zeros([], jnp.int32), *[jnp.zeros([], jnp.int8)] * 2)
   grads = leaves.split(params, mode.axis_name)
   groups = expected_groups(s, mode, bucket_plans(grads, mode.rows(), s.block_size))
+  layout = bucket_layout(grads, mode.axis_name, s.block_size, s.error_bits, s.error_scale)
   return LocoState(jnp.zeros([], jnp.int32), optax.tree.zeros_like(groups),
-                   trees.TreeSignature.of(params))
+                   trees.TreeSignature.of(params, layout))
 
 
 def update(s: LocoSettings, mode: Averaging, updates: Any,

@@ -26,6 +26,16 @@ class LocoState(NamedTuple):
   signature: Any     # trees.TreeSignature of the params: their structure and shapes, no array
 
 
+def bucket_layout(grads: leaves.Leaves, axes: leaves.AxisNames, block_size: int,
+                  error_bits: int, error_scale: float | None) -> tuple:
+  """What lays LoCo's buckets out besides the params' shapes (`trees.TreeSignature.layout`):
+  `buckets.plan`'s block size, the averaged axes (its rows), each group's leaves, and how the
+  error is stored, so that train/reshard.py can decode and re-encode it for another mesh."""
+  return (("block_size", block_size), ("axes", leaves.axis_names(axes)),
+          ("groups", tuple((g.key, tuple(g.indices)) for g in grads.groups)),
+          ("error_bits", error_bits), ("error_scale", error_scale))
+
+
 def check_state(state: Any, updates: Any, expected: Any) -> None:
   """ValueError where `updates` is not like the params `state` was made from, or `state` is
   not laid out as `expected` ({group key: `group_shapes`})."""

@@ -14,7 +14,7 @@ from loco_jax.comm import bucketed, gathers, wire
 from loco_jax.core import buckets, layout, leaves, local_blocks, quant, trees
 from loco_jax.transforms.bucket_step import (Averaging, average, bucket_plans, compress_buckets,
                                              group_shapes, is_due)
-from loco_jax.transforms.loco_state import GroupState
+from loco_jax.transforms.loco_state import GroupState, bucket_layout
 from loco_jax.transforms.settings import GATHER_MODES, LocoSettings, resolve
 
 INTRA_MODES = ("reduce_scatter", "loco")
@@ -159,9 +159,12 @@ def two_hop(node_axis: str = "node", local_axis: str = "local", intra: str = "re
   def init_fn(params):
     if trees.is_placeholder(params):  # optax.tree_map_params's: no state here mirrors the params
       return TwoHopState(jnp.zeros([], jnp.int32), *[jnp.zeros([], jnp.int8)] * 7)
-    fields = expected_fields(*hops.plans(leaves.split(params, axes)))
+    grads = leaves.split(params, axes)
+    fields = expected_fields(*hops.plans(grads))
+    layout = bucket_layout(grads, axes, settings.block_size, settings.error_bits,
+                           settings.error_scale)
     return TwoHopState(jnp.zeros([], jnp.int32), *optax.tree.zeros_like(fields),
-                       trees.TreeSignature.of(params))
+                       trees.TreeSignature.of(params, layout))
 
   def update_fn(updates, state):
     grads = leaves.split(updates, axes)

@@ -1,0 +1,355 @@
+"""Per-device state merged for another device count: decoded, merged and encoded again.
+
+A checkpoint restored onto a mesh whose data axes have other sizes (`train/reshard.py`) holds
+the per-device fields (`specs.py`) of the old devices. One merge a state type turns the n old
+devices' states into the m new devices':
+
+- An error owed to the averaged update (loco's, two_hop's intra-node hop's, co3's,
+  error_feedback's, ef21's g_i) is decoded to float per leaf and averaged. The next averaged
+  update carries (1/n) sum_i e_i; every new device starts from e'_j = (1/n) sum_i e_i, which
+  keeps (1/m) sum_j e'_j = (1/n) sum_i e_i: the correction still owed. An int8 error keeps it
+  up to its re-quantization (half a step of the new block's scale).
+- An error of a shard (loco's gather="quantized" error, two_hop's node hop) covers the shard a
+  device averages: the devices' shards make one error of the whole leaf (two_hop's node hop:
+  averaged over the nodes first), cut again into the new devices' shards.
+- Statistics (co3's scales and coded bits) are averaged; replicated fields (step counters,
+  ef21's estimate) are carried over as they are.
+"""
+
+import math
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from loco_jax.core import buckets, layout, quant
+from loco_jax.core.leaves import ByGroup
+from loco_jax.transforms.baselines import EF21State, ErrorFeedbackState
+from loco_jax.transforms.bucket_step import group_shapes
+from loco_jax.transforms.co3 import Co3State
+from loco_jax.transforms.loco_state import GroupState, LocoState
+from loco_jax.transforms.two_hop import TwoHopState
+
+
+class Devices(NamedTuple):
+  """The devices a per-device state is merged over: the data axes in the order its specs split
+  them (device d is row-major over them), and their sizes in the checkpoint and now."""
+  axes: tuple[str, ...]
+  old: tuple[int, ...]
+  new: tuple[int, ...]
+
+  def linear(self, where: dict[str, int], new: bool = False) -> int:
+    """The device at `where` (a position along each axis)."""
+    sizes = self.new if new else self.old
+    return int(np.ravel_multi_index([where[a] for a in self.axes], sizes))
+
+
+Merge = Callable[[list, Any, Devices], list]
+Layout = Callable[[Any, Devices], Any]
+
+
+class Registered(NamedTuple):
+  """How a state type's per-device fields go to another device count."""
+  merge: Merge       # (n old devices' states, one new device's state (shapes), devices) -> m
+  how: str           # what the merge does and preserves, for the restore's record
+  layout: Layout     # (one new device's state, devices) -> one old device's (shapes)
+
+
+def mean(arrays: list) -> np.ndarray:
+  """The elementwise mean, computed in float64, in the arrays' dtype; the common value itself
+  where they are all equal (bit for bit, as a replicated value or a DiLoCo sync leaves them).
+
+  Example:
+    >>> mean([np.float32([1, 2]), np.float32([3, 2])]).tolist()
+    [2.0, 2.0]
+  """
+  first = np.asarray(arrays[0])
+  if all(np.array_equal(first, a) for a in arrays[1:]):
+    return first
+  out = np.mean(np.stack([np.asarray(a, np.float64) for a in arrays]), axis=0)
+  return (np.round(out) if np.issubdtype(first.dtype, np.integer) else out).astype(first.dtype)
+
+
+def _tree_mean(trees: list) -> Any:
+  return jax.tree.map(lambda *xs: mean(list(xs)), *trees)
+
+
+# --- LoCo's buckets ------------------------------------------------------------------------------
+
+class _Storage(NamedTuple):
+  """How LoCo laid its error out (`loco_state.bucket_layout`, the signature's layout)."""
+  block_size: int
+  axes: tuple[str, ...]
+  groups: tuple            # ((group key, its leaves' indices), ...)
+  error_bits: int
+  error_scale: float | None
+
+
+def _storage(signature: Any, name: str) -> _Storage:
+  found = dict(getattr(signature, "layout", ()) or ())
+  if set(found) != set(_Storage._fields):
+    raise ValueError(f"{name}: the state does not say how its buckets are laid out (no "
+                     f"bucket layout in its signature): make the state to restore into with "
+                     f"this version's {name}(...).init")
+  return _Storage(**found)
+
+
+def _plan(signature: Any, indices: tuple, rows: int, storage: _Storage,
+          sizes: Callable[[int], int] = lambda size: size) -> buckets.Plan:
+  """The group's bucket layout over `rows` devices (`sizes`: a leaf's elements -> those sent)."""
+  return buckets.plan(tuple(sizes(math.prod(shape)) if i in indices else 0
+                            for i, shape in enumerate(signature.shapes)),
+                      rows, storage.block_size)
+
+
+def _values(codes: list, scales: list | None, plan: buckets.Plan, rows: int,
+            storage: _Storage) -> list[np.ndarray]:
+  """int8 buckets of `rows` rows and their block scales -> float32 [rows, blocks, len] each."""
+  out = []
+  for c, (b, n) in enumerate(zip(plan.blocks, plan.block_lens)):
+    q = np.asarray(codes[c]).reshape(rows, b, n)
+    s = (np.full((rows, b), storage.error_scale, np.float32) if scales is None
+         else np.asarray(scales[c], np.float32).reshape(rows, b))
+    out.append(np.asarray(quant.decompress(jnp.asarray(q), jnp.asarray(s)[..., None])))
+  return out
+
+
+def _per_leaf(values: list, plan: buckets.Plan) -> list:
+  """Buckets [rows, blocks, len] -> each leaf's flat values (None: not in the plan)."""
+  firsts = [[q.block0 for q in leaf.pieces] if leaf else None for leaf in plan.leaves]
+  return [None if x is None else np.asarray(x)
+          for x in buckets.from_buckets([jnp.asarray(v) for v in values], plan, firsts)]
+
+
+def _codes(per_leaf: list, plan: buckets.Plan, storage: _Storage) -> tuple[list, list | None]:
+  """Each leaf's flat float values -> int8 buckets [rows, blocks, len] and block scales
+  [rows, blocks] (None with a fixed error scale), as LoCo's step stores its error."""
+  values = buckets.to_buckets([None if x is None else jnp.asarray(x, jnp.float32)
+                               for x in per_leaf], plan)
+  codes, scales = [], []
+  for x in values:
+    s = (quant.absmax_scale(x, storage.error_bits) if storage.error_scale is None
+         else jnp.full(x.shape[:-1], storage.error_scale, jnp.float32))
+    codes.append(np.asarray(quant.compress(x, s[..., None], storage.error_bits)))
+    scales.append(np.asarray(s))
+  return codes, None if storage.error_scale is not None else scales
+
+
+def _check_buckets(name: str, codes: tuple, plan: buckets.Plan, rows: int, key: str) -> None:
+  have = [tuple(np.shape(c)) for c in codes]
+  want = [(rows * b * n,) for b, n in zip(plan.blocks, plan.block_lens)]
+  if have != want:
+    raise ValueError(f"{name}: the checkpoint's error buckets of group {key!r} have shapes "
+                     f"{have}, but this {name} (block size {plan.block_lens[:1]}) over "
+                     f"{plan.rows} devices needs {want}: the state of another model or "
+                     f"transformation")
+
+
+def _mean_error(errors: list, plan: buckets.Plan, rows: int, storage: _Storage) -> list:
+  """Devices' (codes, scales) of their whole error -> its mean per leaf (float64 -> float32)."""
+  leaves = [_per_leaf(_values(c, s, plan, rows, storage), plan) for c, s in errors]
+  return [None if x is None else np.mean(np.stack(
+      [np.asarray(d[i], np.float64) for d in leaves]), axis=0).astype(np.float32)
+          for i, x in enumerate(leaves[0])]
+
+
+def _shard_error(rows: list, plan: buckets.Plan, storage: _Storage) -> list:
+  """Each row's device's (codes [blocks * len], scales [blocks]) of its shard's error -> one
+  error per leaf of the whole of it (row r: the shard device r averages)."""
+  codes = [np.stack([np.asarray(r[0][c]) for r in rows]) for c in range(len(plan.blocks))]
+  scales = (None if rows[0][1] is None else
+            [np.stack([np.asarray(r[1][c]) for r in rows]) for c in range(len(plan.blocks))])
+  return _per_leaf(_values(codes, scales, plan, len(rows), storage), plan)
+
+
+def _flat(codes: list, scales: list | None, row: int | None = None) -> tuple:
+  """Buckets (all rows, or one) as the state stores them: flat arrays, one per bucket."""
+  take = (lambda x: x.reshape(-1)) if row is None else (lambda x: x[row].reshape(-1))
+  return tuple(map(take, codes)), None if scales is None else tuple(map(take, scales))
+
+
+def _loco_layout(like: LocoState, devices: Devices) -> LocoState:
+  """One device's LoCo state over the old devices: its buckets depend on their count."""
+  storage, n = _storage(like.signature, "loco"), math.prod(devices.old)
+  return like._replace(groups=ByGroup({key: group_shapes(
+      _plan(like.signature, indices, n, storage), storage.error_scale is None,
+      like.groups[key].gather_error is not None) for key, indices in storage.groups}))
+
+
+def _merge_loco(states: list, like: LocoState, devices: Devices) -> list:
+  storage = _storage(like.signature, "loco")
+  if tuple(storage.axes) != devices.axes:
+    raise ValueError(f"loco: its state is split over {devices.axes}, but it averages over "
+                     f"{storage.axes}; restore it where its axis_name is the data axes")
+  n, m = math.prod(devices.old), math.prod(devices.new)
+  groups = {}
+  for key, indices in storage.groups:
+    old_plan, new_plan = (_plan(like.signature, indices, r, storage) for r in (n, m))
+    old = [s.groups[key] for s in states]
+    _check_buckets("loco", old[0].error, old_plan, n, key)
+    merged = _mean_error([(g.error, g.error_scale) for g in old], old_plan, n, storage)
+    error, scale = _flat(*_codes(merged, new_plan, storage))
+    new = [GroupState(error, scale, None, None)] * m
+    if old[0].gather_error is not None:
+      whole = _shard_error([(g.gather_error, g.gather_scale) for g in old], old_plan, storage)
+      codes, scales = _codes(whole, new_plan, storage)
+      new = [g._replace(**dict(zip(("gather_error", "gather_scale"), _flat(codes, scales, j))))
+             for j, g in enumerate(new)]
+    groups[key] = new
+  return [LocoState(states[0].count, ByGroup({k: v[j] for k, v in groups.items()}),
+                    like.signature) for j in range(m)]
+
+
+# --- two_hop: an intra-node hop over the local axis, a node hop over node shards --------------
+
+def _node_shards(per_l: list[list], old_len: int, new_len: int, new_local: int) -> list[list]:
+  """Each local position's shard of every leaf (None: not sent), joined into the whole leaf
+  and cut again into `new_local` shards of `new_len` (zero padding after the leaf)."""
+  out = [[] for _ in range(new_local)]
+  for i in range(len(per_l[0])):
+    if per_l[0][i] is None:
+      for shards in out:
+        shards.append(None)
+      continue
+    whole = np.concatenate([shards[i][:old_len[i]] for shards in per_l])
+    whole = np.pad(whole, (0, max(new_local * new_len[i] - whole.size, 0)))
+    for l, shards in enumerate(out):
+      shards.append(whole[l * new_len[i]:(l + 1) * new_len[i]])
+  return out
+
+
+def _hops(like: TwoHopState, devices: Devices) -> tuple[_Storage, str, str, list, list]:
+  """(storage, node axis, local axis, [(nodes, local devices) before, now], per group key
+  [its hop-1 plans before and now, its hop-2 plans before and now])."""
+  storage = _storage(like.signature, "two_hop")
+  node, local = storage.axes
+  if set(devices.axes) != {node, local}:
+    raise ValueError(f"two_hop: its state is split over {devices.axes}, but its hops run over "
+                     f"{storage.axes}; restore it where those are the data axes")
+  grids = [dict(zip(devices.axes, s)) for s in (devices.old, devices.new)]
+  sizes = [(g[node], g[local]) for g in grids]
+  shard = lambda rows: lambda size: layout.shard_len(size, rows)
+  plans = {key: ([_plan(like.signature, indices, locs, storage) for _, locs in sizes],
+                 [_plan(like.signature, indices, nodes, storage, shard(locs))
+                  for nodes, locs in sizes]) for key, indices in storage.groups}
+  return storage, node, local, sizes, plans
+
+
+def _two_hop_layout(like: TwoHopState, devices: Devices) -> TwoHopState:
+  """One device's two_hop state over the old devices: both hops' buckets depend on them."""
+  storage, _, _, _, plans = _hops(like, devices)
+  fields = TwoHopState._fields[1:7]
+  per_field = {f: {} for f in fields}
+  for key, (hop1, hop2) in plans.items():
+    shapes = (group_shapes(hop1[0], storage.error_scale is None, False)[:2]
+              + tuple(group_shapes(hop2[0], storage.error_scale is None,
+                                   like.gather_error is not None)))
+    for f, value in zip(fields, shapes):
+      per_field[f][key] = value
+  return like._replace(**{f: None if getattr(like, f) is None else ByGroup(per_field[f])
+                          for f in fields})
+
+
+def _merge_two_hop(states: list, like: TwoHopState, devices: Devices) -> list:
+  storage, node, local, sizes, plans = _hops(like, devices)
+  (nodes, locs), (new_nodes, new_locs) = sizes
+  m = math.prod(devices.new)
+  fields = {f: [dict() for _ in range(m)] for f in TwoHopState._fields[1:7]}
+  at = lambda i, l: devices.linear({node: i, local: l})
+  for key, (hop1, hop2) in plans.items():
+    old_len, new_len = ([leaf.size if leaf else 0 for leaf in p.leaves] for p in hop2)
+    new = {f: [None] * m for f in fields}
+    if states[0].error is not None:  # intra="loco": every device's error of its whole leaves
+      merged = _mean_error([(s.error[key], None if s.error_scale is None else
+                             s.error_scale[key]) for s in states], hop1[0], locs, storage)
+      new["error"], new["error_scale"] = zip(*[_flat(*_codes(merged, hop1[1], storage))] * m)
+    _check_buckets("two_hop", states[0].node_error[key], hop2[0], nodes, key)
+    node_errors = [_mean_error([(states[at(i, l)].node_error[key], None if states[0]
+                                 .node_error_scale is None else
+                                 states[at(i, l)].node_error_scale[key])
+                                for i in range(nodes)], hop2[0], nodes, storage)
+                   for l in range(locs)]
+    for l, shards in enumerate(_node_shards(node_errors, old_len, new_len, new_locs)):
+      error, scale = _flat(*_codes(shards, hop2[1], storage))
+      for i in range(new_nodes):
+        j = devices.linear({node: i, local: l}, new=True)
+        new["node_error"][j], new["node_error_scale"][j] = error, scale
+    if states[0].gather_error is not None:  # gather="quantized": device (i, l) has row i
+      gathered = [_shard_error([(states[at(i, l)].gather_error[key], None if states[0]
+                                 .gather_error_scale is None else
+                                 states[at(i, l)].gather_error_scale[key])
+                                for i in range(nodes)], hop2[0], storage) for l in range(locs)]
+      for l, shards in enumerate(_node_shards(gathered, old_len, new_len, new_locs)):
+        codes, scales = _codes(shards, hop2[1], storage)
+        for i in range(new_nodes):
+          j = devices.linear({node: i, local: l}, new=True)
+          new["gather_error"][j], new["gather_error_scale"][j] = _flat(codes, scales, i)
+    for f, per_device in new.items():
+      for j, value in enumerate(per_device):
+        fields[f][j][key] = value
+  field = lambda f, j: (None if getattr(like, f) is None else ByGroup(fields[f][j]))
+  return [TwoHopState(states[0].count, *[field(f, j) for f in TwoHopState._fields[1:7]],
+                      like.signature) for j in range(m)]
+
+
+# --- Per-leaf float states ------------------------------------------------------------------------
+
+def _merge_co3(states: list, like: Co3State, devices: Devices) -> list:
+  first = states[0]
+  merged = first._replace(error=_tree_mean([s.error for s in states]),
+                          scale=_tree_mean([s.scale for s in states]),
+                          coded_bits=mean([s.coded_bits for s in states]))
+  return [merged] * math.prod(devices.new)
+
+
+def _merge_error_feedback(states: list, like: ErrorFeedbackState, devices: Devices) -> list:
+  return [ErrorFeedbackState(_tree_mean([s.error for s in states]))] * math.prod(devices.new)
+
+
+def _merge_ef21(states: list, like: EF21State, devices: Devices) -> list:
+  merged = EF21State(_tree_mean([s.local for s in states]), states[0].estimate)
+  return [merged] * math.prod(devices.new)
+
+
+_ERROR_MEAN = ("the devices' errors decoded and averaged, every new device starting from the "
+               "mean: the correction owed to the averaged update is kept")
+_SAME = lambda like, devices: like  # per-leaf state: laid out alike on any device count
+_MERGES: dict[type, Registered] = {
+    LocoState: Registered(_merge_loco, _ERROR_MEAN + " (int8: re-encoded in the new buckets); "
+                          "a quantized gather's shard errors joined and cut again",
+                          _loco_layout),
+    TwoHopState: Registered(_merge_two_hop, _ERROR_MEAN + " (the node hop's per node shard); "
+                            "the node shards joined and cut again for the new local axis",
+                            _two_hop_layout),
+    Co3State: Registered(_merge_co3, _ERROR_MEAN + "; scales and coded bits averaged", _SAME),
+    ErrorFeedbackState: Registered(_merge_error_feedback, _ERROR_MEAN, _SAME),
+    EF21State: Registered(_merge_ef21, "g_i averaged (the estimate g, their mean, carried "
+                          "over): mean_j g'_j = g still", _SAME),
+}
+
+
+def register_merge(state_type: type, merge: Merge, how: str, layout: Layout | None = None
+                   ) -> None:
+  """Declares how the per-device fields of a state class of your own (`register_per_device`)
+  are merged for another device count: `merge(states, like, devices)` takes the n old devices'
+  states (numpy) and one new device's state (ShapeDtypeStructs) and returns the m new ones';
+  `how` says what it preserves, for the restore's record; `layout(like, devices)` gives one
+  old device's state (shapes) where it differs from a new one's (default: the same).
+
+  Example:
+    >>> from typing import Any, NamedTuple
+    >>> class MyState(NamedTuple):
+    ...   error: Any
+    >>> register_merge(MyState, lambda states, like, devices: [
+    ...     MyState(mean([s.error for s in states]))] * math.prod(devices.new), "the mean")
+  """
+  if not callable(merge) or not isinstance(how, str):
+    raise ValueError(f"register_merge: merge must be callable and how a str, got "
+                     f"{type(merge).__name__} and {type(how).__name__}")
+  _MERGES[state_type] = Registered(merge, how, layout or _SAME)
+
+
+def merge_of(state: Any) -> Registered | None:
+  """The merge of `state`'s type (`Registered`); None for a type no one registered."""
+  return _MERGES.get(type(state))
