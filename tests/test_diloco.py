@@ -90,6 +90,14 @@ def test_float32_average_matches_the_reference(fragments):
   assert not np.allclose(state.params["w1"], params["w1"])
 
 
+def test_one_device_runs_alone():
+  # One worker: the sync's mean is its own pseudo-gradient; the loss is its own.
+  params, steps = _params(), 4
+  state, losses, _ = _train(parallel.data_mesh(1), params, steps, inner_steps=2)
+  assert int(state.step) == steps and all(np.isfinite(losses))
+  assert not np.array_equal(state.params["w1"], params["w1"])
+
+
 def test_fragments_sync_in_turn():
   params = _params()
   parts = diloco.fragment_leaves(params, 2)

@@ -179,8 +179,8 @@ def _sync(setup: Setup, part: list[int], index: int) -> Callable:
 
 def _local_mean(losses: jax.Array) -> jax.Array:
   """The mean of this process's shards of `losses`, moved onto one of its devices."""
-  shards = [s.data for s in losses.addressable_shards]
-  return jnp.mean(jnp.concatenate(jax.device_put(shards, shards[0].devices().pop())))
+  shards = losses.addressable_shards
+  return jnp.mean(jnp.concatenate(jax.device_put([s.data for s in shards], shards[0].device)))
 
 
 def make_step(setup: Setup, loss_fn: Callable[[Any, Any], jax.Array]) -> Callable:
