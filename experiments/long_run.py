@@ -309,14 +309,13 @@ def build(config: LongRunConfig, text: Text) -> Built:
   compressor = demo.make_compressor(parse_method(config.method)[0], dc, AXIS)
   schedule = make_schedule(config)
   optimizer = optax.adamw(schedule, weight_decay=config.weight_decay)
-  options = demo.train_options(config.method, dc)
-  outer = {k: v for k, v in options.items() if k != "mode"}
+  options = demo.train_options(config.method, dc)   # init and step take the same options
   state, specs = parallel.init_train_state(params, optimizer, mesh, compressor=compressor,
-                                           mode=options.get("mode", "ddp"), **outer)
+                                           **options)
   step = parallel.make_train_step(loss_fn, optimizer, mesh, params, compressor=compressor,
                                   **options)
   start = time.perf_counter()
-  for program, _ in demo.step_programs(step, options.get("mode", "ddp"), outer):
+  for program, _ in demo.step_programs(step, options.get("mode", "ddp"), options):
     compiled = program.lower(state, jnp.asarray(text.batch(0))).compile()
   # DiLoCo's step picks its program each step (compiled again on first use).
   return Built(state, step if options else compiled, schedule,
