@@ -145,11 +145,16 @@ def _inner_step(setup: Setup, loss_fn: Callable) -> Callable:
     workers = one(state.workers)
     trees.check_same_shapes(workers, setup.params, "state.workers[i]", "params_like")
     loss, grads = steps.loss_and_grads(loss_fn, jax.tree.map(cast, workers), batch, setup)
-    grads = jax.tree.map(lambda g, w: g.astype(w.dtype), grads, workers)
-    updates, opt_state = setup.optimizer.update(grads, one(state.opt_state), workers)
-    stack = lambda tree: jax.tree.map(lambda x: x[None], tree)
-    return state._replace(workers=stack(optax.apply_updates(workers, updates)),
-                          opt_state=stack(opt_state), step=state.step + 1), loss[None]
+    grads = jax.tree.map(lambda g, w: g.astype(w.dtype)[None], grads, workers)
+
+    # The optimizer runs vmapped over the stacked axis (of one) instead of on the unstacked
+    # worker: stacking its outputs again made XLA copy the moments on entry to the program.
+    def update(grads, opt_state, workers):
+      updates, opt_state = setup.optimizer.update(grads, opt_state, workers)
+      return optax.apply_updates(workers, updates), opt_state
+    new_workers, opt_state = jax.vmap(update)(grads, state.opt_state, state.workers)
+    return state._replace(workers=new_workers, opt_state=opt_state,
+                          step=state.step + 1), loss[None]
   return inner
 
 
