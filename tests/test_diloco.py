@@ -3,7 +3,11 @@ pseudo-gradients and the outer optimizer updates the global params; against a re
 with plain loops over the workers, on data and (data, model) meshes, with fragments, from a
 checkpoint."""
 
+import json
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -208,3 +212,15 @@ def test_param_gather_and_scatter_compressors_are_refused():
                              param_gather="int8")
   with pytest.raises(ValueError, match="the compressor's output"):
     _train(mesh, params, 2, loco(axis_name="data", scatter=True), inner_steps=2)
+
+
+@pytest.mark.slow
+def test_step_bench_times_every_program(tmp_path):
+  out = tmp_path / "bench.json"
+  bench = Path(__file__).resolve().parents[1] / "experiments" / "diloco_step_bench.py"
+  subprocess.run([sys.executable, str(bench), "--steps", "2", "--repeats", "1",
+                  "--inner-steps", "2", "--model", "32,1,64,2", "--json", str(out)],
+                 check=True, capture_output=True, timeout=300)
+  medians = json.loads(out.read_text())["median_s"]
+  assert sorted(medians) == ["compute", "inner", "round", "sync"]
+  assert all(0 < s < 10 for s in medians.values())
