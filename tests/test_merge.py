@@ -288,7 +288,7 @@ def test_a_state_type_without_a_merge_is_refused_or_registered():
     merge.register_merge(Mine, "not a function", "the mean")
   merge.register_merge(Mine, lambda states, like, devices: [
       Mine(merge.mean([s.error for s in states]))] * math.prod(devices.new), "the mean")
-  found, how, _ = merge.merge_of(Mine(np.zeros(2)))
+  found, how = merge.merge_of(Mine(np.zeros(2)))[:2]
   devices = merge.Devices(("data",), (2,), (3,))
   out = found([Mine(np.float32([1, 2])), Mine(np.float32([3, 4]))], None, devices)
   assert how == "the mean" and len(out) == 3 and out[2].error.tolist() == [2.0, 3.0]

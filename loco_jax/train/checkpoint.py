@@ -33,6 +33,7 @@ import orbax.checkpoint as ocp
 
 from loco_jax.train import checkpoint_record, checkpoint_steps, reshard as reshard_lib
 from loco_jax.train.checkpoint_record import train_layout
+from loco_jax.train.model_blocks import ModelBlocks, model_blocks
 from loco_jax.train.reshard import Restored
 from loco_jax.train.checkpoint_steps import COMMIT, FORMAT, META_FILE
 
@@ -232,12 +233,26 @@ def _read(path: Path, entry: Path, step: int, abstract: Any) -> Any:
                        f"({type(e).__name__}: {e})") from e
 
 
-def _relaid(path: Path, entry: Path, step: int, saved: dict, data: tuple[str, ...],
-            state_like: Any) -> Restored:
-  """The checkpoint read with its own shapes onto one device of this process, re-laid for the
-  mesh of `state_like` over the `data` axes (train/reshard.py)."""
+def _blocks(saved: dict, now: dict, state_like: Any, entry: Path) -> ModelBlocks:
+  """The params' model blocks in the checkpoint and now (train/model_blocks.py)."""
+  if not hasattr(state_like, "params"):
+    raise ValueError(f"checkpoint {entry} cannot be re-laid for other model axes: the state to "
+                     f"restore into is a {type(state_like).__name__}, not a train state with "
+                     f"params (parallel.init_train_state's)")
   try:
-    paths = reshard_lib.saved_paths(state_like, saved["mesh"], data)
+    return model_blocks(saved["config"], now["config"], saved["mesh"], now["mesh"],
+                        state_like.params)
+  except ValueError as e:
+    raise ValueError(f"checkpoint {entry} cannot be re-laid for this mesh: {e}") from None
+
+
+def _relaid(path: Path, entry: Path, step: int, saved: dict, data: tuple[str, ...],
+            state_like: Any, blocks: ModelBlocks | None) -> Restored:
+  """The checkpoint read with its own shapes onto one device of this process, re-laid for the
+  mesh of `state_like` over the `data` axes and, with `blocks`, the model axes
+  (train/reshard.py)."""
+  try:
+    paths = reshard_lib.saved_paths(state_like, saved["mesh"], data, blocks)
   except ValueError as e:
     raise ValueError(f"checkpoint {entry} cannot be re-laid for this mesh: {e}") from None
   tree, listed = saved["tree"], jax.tree.leaves(paths)
@@ -261,7 +276,7 @@ def _relaid(path: Path, entry: Path, step: int, saved: dict, data: tuple[str, ..
   specs = jax.tree.map(lambda k: checkpoint_record.spec_of(tree[k][2]), paths)
   old = jax.device_get(_read(path, entry, step, abstract))
   try:
-    state, resharded = reshard_lib.relay(old, state_like, saved["mesh"], data, specs)
+    state, resharded = reshard_lib.relay(old, state_like, saved["mesh"], data, specs, blocks)
   except ValueError as e:
     raise ValueError(f"checkpoint {entry} cannot be re-laid for this mesh: {e}") from None
   return Restored(state, step, resharded)
@@ -311,20 +326,24 @@ def restore(directory: str | os.PathLike, state_like: Any, config: dict,
                      f"back scrambled, so this version does not restore it; start a new "
                      f"checkpoint directory")
   relaid = reshard and saved["format"] > 2 and saved["mesh"] != now["mesh"]
-  data, differences = (), []
+  data, model, differences = (), False, []
   if relaid:
     try:
       data = reshard_lib.data_axes(saved["mesh"], now["mesh"], now["config"])
+      model = reshard_lib.model_changed(saved["mesh"], now["mesh"], data)
     except ValueError as e:
       differences.append(str(e))
+  keys = tuple(mesh_keys) + (reshard_lib.model_keys(now["config"]) if model else ())
   differences = checkpoint_record.differences(
-      saved, now, tuple(mesh_keys) if relaid else None, data) + differences
+      saved, now, keys if relaid else None, data, model) + differences
   if differences:
-    hint = ("" if reshard else " (or, where only the data axes' sizes differ, reshard=True)")
+    hint = ("" if reshard else " (or, where only the data axes' sizes or the model axes' "
+            "shape differ, reshard=True)")
     raise ValueError(f"checkpoint {entry} does not match this run: " + "; ".join(differences)
                      + f". Restore with the config, mesh and state it was saved with{hint}, or "
                      "start a new directory.")
   if relaid:
-    return _relaid(path, entry, step, saved, data, state_like)
+    return _relaid(path, entry, step, saved, data, state_like,
+                   _blocks(saved, now, state_like, entry) if model else None)
   state = _read(path, entry, step, jax.tree.map(ocp.utils.to_shape_dtype_struct, state_like))
   return Restored(state, step, None) if reshard else (state, step)

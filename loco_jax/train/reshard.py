@@ -27,7 +27,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from loco_jax.core.local_blocks import entry_axes
-from loco_jax.train.diloco import DilocoState
+from loco_jax.train import model_blocks
+from loco_jax.train.diloco import DilocoState, fragment_leaves
+from loco_jax.train.model_blocks import ModelBlocks
 from loco_jax.transforms import merge as merges
 from loco_jax.transforms.specs import per_device_fields
 
@@ -75,34 +77,56 @@ def _train_layout(config: dict) -> dict | None:
   return None
 
 
+def model_keys(config: dict) -> tuple[str, ...]:
+  """The keys of `config` (nested ones joined by '.') of its train_layout's model axes and
+  params' splits: they differ where the model axes change shape."""
+  for key, value in (("", config), *config.items()):
+    if isinstance(value, dict) and _LAYOUT_KEYS <= set(value):
+      return tuple(f"{key}.{k}" if key else k for k in ("model axes", "params"))
+  return ()
+
+
 def data_axes(saved: list, now: list, config: dict) -> tuple[str, ...]:
   """The data axes of a restore from mesh `saved` onto mesh `now` ([[axis, size], ...], as a
   checkpoint records them): the train_layout's in `config`, else the axes whose sizes differ.
-  A ValueError naming both meshes unless only the data axes' sizes differ.
+  A ValueError naming both meshes where the axes were renamed or reordered (a model axis may
+  come or go: size 1), or a data axis is missing.
 
   Example:
     >>> data_axes([["data", 8]], [["data", 4]], {})
     ('data',)
   """
   both = f"checkpoint {_text(saved) if saved else 'no mesh'}, now {_text(now) if now else 'no mesh'}"
-  if not saved or not now or [a for a, _ in saved] != [a for a, _ in now]:
+  old, new = dict(saved or []), dict(now or [])
+  only_old, only_new = [a for a in old if a not in new], [a for a in new if a not in old]
+  if (not saved or not now or only_old and only_new
+          or [a for a in old if a in new] != [a for a in new if a in old]):
     raise ValueError(f"mesh: {both}: a state re-laid for another mesh keeps its axes (names "
-                     f"and order) and changes the data axes' sizes only")
-  old, new = dict(saved), dict(now)
+                     f"and order); the data axes may change size, the model axes their shape "
+                     f"(one may come or go)")
   layout = _train_layout(config)
   if layout is not None:
     data = tuple(layout["data axes"])
   else:
-    data = tuple(a for a in old if old[a] != new[a])
-    if len(data) < len(old):
+    data = tuple(a for a in old if a in new and old[a] != new[a])
+    if len(data) < len(old) or only_new:
       raise ValueError(f"mesh: {both}: which axes are data axes? Put "
                        f"checkpoint.train_layout(mesh, params, mode=...) in the config")
-  changed = [f"{a}: checkpoint {old[a]}, now {new[a]}" for a in old
-             if a not in data and old[a] != new[a]]
-  if changed:
-    raise ValueError(f"mesh: {both}: only the data axes {data} may change size, not the model "
-                     f"axes ({'; '.join(changed)})")
+  if any(a not in old or a not in new for a in data):
+    raise ValueError(f"mesh: {both}: the data axes {data} must be on both meshes")
   return data
+
+
+def model_changed(saved: list, now: list, data: tuple[str, ...]) -> bool:
+  """Whether the model axes (all but `data`) have another shape on mesh `now` than on `saved`
+  (an axis a mesh lacks: size 1).
+
+  Example:
+    >>> model_changed([["data", 4], ["model", 2]], [["data", 8]], ("data",))
+    True
+  """
+  sizes = [{a: n for a, n in mesh if a not in data and n > 1} for mesh in (saved, now)]
+  return sizes[0] != sizes[1]
 
 
 def _spec(like: Any) -> P:
@@ -269,51 +293,94 @@ def _merged(state: Any, specs: Any, like: Any, meshes: _Meshes, where: str) -> A
   return like_treedef.unflatten([o.reshape(l.shape) for o, l in zip(outs, likes)])
 
 
-def _relay(state: Any, specs: Any, like: Any, meshes: _Meshes, where: str, notes: dict) -> Any:
+_NEW_BLOCKS = "per model block, by leaf: each param's blocks joined and cut again for the new model axes"
+
+
+def _relay(state: Any, specs: Any, like: Any, meshes: _Meshes, where: str, notes: dict,
+           blocks: ModelBlocks | None, param: int | None = None) -> Any:
   """`state` (numpy, the checkpoint's shapes; `specs` its specs) re-laid as `like` says;
-  `notes` collects how."""
+  `notes` collects how. `blocks`: the params' model blocks where the model axes change shape
+  (None where they keep it); `param`: the param a leaf of a tree like the params belongs to."""
   if _splits_data(like, meshes, where):
-    notes.setdefault(f"{type(like).__name__} ({where or 'the state'})",
-                     merges.merge_of(like).how)
+    what = f"{type(like).__name__} ({where or 'the state'})"
+    if blocks is not None:
+      notes.setdefault(what, merges.merge_of(like).how + "; " + _NEW_BLOCKS)
+      return model_blocks.reblocked(state, specs, like, blocks, meshes.data, where)
+    notes.setdefault(what, merges.merge_of(like).how)
     return _merged(state, specs, like, meshes, where)
   if isinstance(like, DilocoState):
-    notes.setdefault("DiLoCo's workers and inner optimizer states",
-                     "every new worker from the mean of the old ones: the pseudo-gradient the "
-                     "next sync averages is kept")
-    stacked = {f: jax.tree.map(lambda x, l: _per_worker(np.asarray(x), l, meshes, where),
-                               getattr(state, f), getattr(like, f))
-               for f in ("workers", "opt_state")}
-    rest = {f: _relay(getattr(state, f), getattr(specs, f), getattr(like, f), meshes,
-                      f"{where}.{f}", notes) for f in like._fields if f not in stacked}
-    return DilocoState(**stacked, **rest)
+    return _diloco(state, specs, like, meshes, where, notes, blocks)
   if _is_array(like):
     split = _split(specs, meshes.old, meshes, where)
     if split is None:
       return _same_shape(np.asarray(state), like, where)
-    notes["master shards"] = "rows joined and cut again for the new devices, exactly"
-    return _rows(np.asarray(state), split, like, meshes, where)
+    if blocks is None:
+      notes["master shards"] = "rows joined and cut again for the new devices, exactly"
+      return _rows(np.asarray(state), split, like, meshes, where)
+    if param is None:
+      raise ValueError(f"{where}: split over the data axes, but not a param's master shard: "
+                       f"it cannot be re-laid for other model axes")
+    notes["master shards"] = ("rows joined, each param's model blocks joined and cut again "
+                              "for the new model axes and devices, exactly")
+    return _same_shape(model_blocks.recut_rows(
+        np.asarray(state), (blocks.old[param], blocks.new[param]), meshes.sizes(meshes.data),
+        where), like, where)
   children, paths, treedef = _children(like)
   old, old_specs = treedef.flatten_up_to(state), treedef.flatten_up_to(specs)
-  return treedef.unflatten([_relay(x, s, l, meshes, where + p, notes)
-                            for x, s, l, p in zip(old, old_specs, children, paths)])
+  like_params = blocks is not None and treedef == blocks.treedef
+  return treedef.unflatten([
+      _relay(x, s, l, meshes, where + p, notes, blocks, i if like_params else param)
+      for i, (x, s, l, p) in enumerate(zip(old, old_specs, children, paths))])
 
 
-def _paths(like: Any, meshes: _Meshes, where: str) -> Any:
+def _diloco(state: DilocoState, specs: DilocoState, like: DilocoState, meshes: _Meshes,
+            where: str, notes: dict, blocks: ModelBlocks | None) -> DilocoState:
+  """DiLoCo's workers and their optimizer states from their mean; each fragment's compressor
+  state with its own params' blocks."""
+  notes.setdefault("DiLoCo's workers and inner optimizer states",
+                   "every new worker from the mean of the old ones: the pseudo-gradient the "
+                   "next sync averages is kept")
+  stacked = {f: jax.tree.map(lambda x, l: _per_worker(np.asarray(x), l, meshes, where),
+                             getattr(state, f), getattr(like, f))
+             for f in ("workers", "opt_state")}
+  parts = fragment_leaves(like.params, len(like.compressor_state))
+  compressors = tuple(_relay(x, s, l, meshes, f"{where}.compressor_state[{f}]", notes,
+                             None if blocks is None else blocks.select(parts[f]))
+                      for f, (x, s, l) in enumerate(zip(state.compressor_state,
+                                                        specs.compressor_state,
+                                                        like.compressor_state)))
+  rest = {f: _relay(getattr(state, f), getattr(specs, f), getattr(like, f), meshes,
+                    f"{where}.{f}", notes, blocks) for f in ("params", "outer_state", "step")}
+  return DilocoState(**stacked, compressor_state=compressors, **rest)
+
+
+def _paths(like: Any, meshes: _Meshes, where: str, blocks: ModelBlocks | None) -> Any:
   """`like`'s tree with each leaf's key path, each registered state laid out as it is on the
-  old devices (`transforms.merge`'s layouts: LoCo's buckets depend on the device count)."""
+  old devices (`transforms.merge`'s layouts: LoCo's buckets depend on the device count and,
+  with `blocks`, on the params' old model blocks)."""
   if _splits_data(like, meshes, where):
-    old = merges.merge_of(like).layout(_one_device(like, meshes, where)[0], _devices(meshes))
+    one = (_one_device(like, meshes, where)[0] if blocks is None else
+           model_blocks.old_device(like, blocks, where))
+    old = merges.merge_of(like).layout(one, _devices(meshes))
     return jax.tree_util.tree_map_with_path(lambda p, _: where + jax.tree_util.keystr(p), old)
   if _is_array(like):
     return where
   children, paths, treedef = _children(like)
-  return treedef.unflatten([_paths(c, meshes, where + p) for c, p in zip(children, paths)])
+  parts = (fragment_leaves(like.params, len(like.compressor_state))
+           if isinstance(like, DilocoState) and blocks is not None else None)
+  return treedef.unflatten([_paths(c, meshes, where + p, blocks) for c, p in zip(children, paths)]
+                           if parts is None else [
+      _paths(c, meshes, where + p, None) if p != ".compressor_state" else
+      tuple(_paths(s, meshes, f"{where}{p}[{f}]", blocks.select(parts[f]))
+            for f, s in enumerate(c)) for c, p in zip(children, paths)])
 
 
-def saved_paths(like: Any, saved_mesh: list, data: tuple[str, ...]) -> Any:
+def saved_paths(like: Any, saved_mesh: list, data: tuple[str, ...],
+                blocks: ModelBlocks | None = None) -> Any:
   """The tree of the state a checkpoint of this run holds on mesh `saved_mesh`, each leaf its
   key path there (as `checkpoint_record` records it): `like`'s, but for the per-device
-  states whose layout depends on the device count (LoCo's buckets).
+  states whose layout depends on the device count (LoCo's buckets) or, where the model axes
+  change shape (`blocks`), on the params' model blocks.
 
   Example:
     >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("data",))
@@ -321,7 +388,14 @@ def saved_paths(like: Any, saved_mesh: list, data: tuple[str, ...]) -> Any:
     >>> saved_paths(like, [["data", 8]], ("data",))
     {'w': "['w']"}
   """
-  return _paths(like, _Meshes(tuple(data), dict(saved_mesh), dict(_mesh_of(like).shape)), "")
+  return _paths(like, _meshes(data, saved_mesh, _mesh_of(like)), "", blocks)
+
+
+def _meshes(data: tuple[str, ...], saved_mesh: list, mesh: Any) -> _Meshes:
+  """Both meshes' sizes over the axes of either (an axis a mesh lacks: size 1)."""
+  old, new = dict(saved_mesh), dict(mesh.shape)
+  axes = list(dict.fromkeys([*old, *new]))
+  return _Meshes(tuple(data), {a: old.get(a, 1) for a in axes}, {a: new.get(a, 1) for a in axes})
 
 
 def _mesh_of(like: Any) -> Any:
@@ -334,12 +408,13 @@ def _mesh_of(like: Any) -> Any:
 
 
 def relay(state: Any, like: Any, saved_mesh: list, data: tuple[str, ...],
-          specs: Any = None) -> tuple[Any, Resharded]:
+          specs: Any = None, blocks: ModelBlocks | None = None) -> tuple[Any, Resharded]:
   """`state` as the checkpoint holds it (its leaves' shapes and specs, `saved_paths`' tree,
   readable on this host) re-laid as `like` (a state on the new mesh, or its ShapeDtypeStructs)
   says: its arrays placed with `like`'s shardings, and the record of what was done. `specs`:
   the checkpoint's PartitionSpecs of `state`'s leaves (default: `like`'s, where the trees are
-  alike).
+  alike). `blocks`: the params' model blocks before and now (`model_blocks.model_blocks`),
+  needed where the model axes change shape.
 
   Example:
     >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("data",))
@@ -352,11 +427,14 @@ def relay(state: Any, like: Any, saved_mesh: list, data: tuple[str, ...],
     ('master shards: rows joined and cut again for the new devices, exactly',)
   """
   mesh = _mesh_of(like)
-  meshes = _Meshes(tuple(data), dict(saved_mesh), dict(mesh.shape))
+  meshes = _meshes(data, saved_mesh, mesh)
+  if model_changed(saved_mesh, list(mesh.shape.items()), data) and blocks is None:
+    raise ValueError(f"reshard: the model axes change shape ({_text(saved_mesh)} to "
+                     f"{_text(list(mesh.shape.items()))}): pass the params' blocks (blocks=)")
   if specs is None:
     specs = jax.tree.map(_spec, like)
   notes: dict[str, str] = {}
-  relaid = _relay(state, specs, like, meshes, "", notes)
+  relaid = _relay(state, specs, like, meshes, "", notes, blocks)
 
   def place(x, l):
     sharding = getattr(l, "sharding", None)

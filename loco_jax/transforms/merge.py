@@ -25,6 +25,7 @@ import numpy as np
 
 from loco_jax.core import buckets, layout, quant
 from loco_jax.core.leaves import ByGroup
+from loco_jax.core.trees import TreeSignature
 from loco_jax.transforms.baselines import EF21State, ErrorFeedbackState
 from loco_jax.transforms.bucket_step import group_shapes
 from loco_jax.transforms.co3 import Co3State
@@ -49,11 +50,29 @@ Merge = Callable[[list, Any, Devices], list]
 Layout = Callable[[Any, Devices], Any]
 
 
+class ByLeaf(NamedTuple):
+  """A state merged over the devices of the data axes that hold one model block, by param leaf:
+  what a change of the model axes joins into whole params and cuts again (train/reshard.py)."""
+  leaves: dict       # field -> per param leaf: float32 values of this block, flat (None: not held)
+  rest: Any          # the state's other per-device fields merged (counters, statistics)
+
+
+class Reblock(NamedTuple):
+  """How a state type goes to a mesh of another shape over the model axes, block by block."""
+  merged: Callable[[list, Any, Devices], ByLeaf]   # n old devices' states, one old device's
+                                                   # state (shapes) -> by leaf
+  states: Callable[[ByLeaf, Any, Devices], list]   # by leaf of one new block, one new device's
+                                                   # state (shapes) -> the m new devices'
+  old_like: Callable[[Any, list, list], Any]       # one new device's state, each param's block
+                                                   # shape and model axes before -> an old one's
+
+
 class Registered(NamedTuple):
   """How a state type's per-device fields go to another device count."""
   merge: Merge       # (n old devices' states, one new device's state (shapes), devices) -> m
   how: str           # what the merge does and preserves, for the restore's record
   layout: Layout     # (one new device's state, devices) -> one old device's (shapes)
+  reblock: Reblock | None = None   # for another shape over the model axes; None: not re-laid
 
 
 def mean(arrays: list) -> np.ndarray:
@@ -172,33 +191,68 @@ def _flat(codes: list, scales: list | None, row: int | None = None) -> tuple:
 def _loco_layout(like: LocoState, devices: Devices) -> LocoState:
   """One device's LoCo state over the old devices: its buckets depend on their count."""
   storage, n = _storage(like.signature, "loco"), math.prod(devices.old)
+  quantized = any(g.gather_error is not None for g in like.groups.values())
   return like._replace(groups=ByGroup({key: group_shapes(
-      _plan(like.signature, indices, n, storage), storage.error_scale is None,
-      like.groups[key].gather_error is not None) for key, indices in storage.groups}))
+      _plan(like.signature, indices, n, storage), storage.error_scale is None, quantized)
+      for key, indices in storage.groups}))
 
 
-def _merge_loco(states: list, like: LocoState, devices: Devices) -> list:
+def _loco_merged(states: list, like: LocoState, devices: Devices) -> ByLeaf:
+  """The old devices' errors decoded per leaf and averaged; a quantized gather's shard errors
+  joined into one error of each whole leaf."""
   storage = _storage(like.signature, "loco")
   if tuple(storage.axes) != devices.axes:
     raise ValueError(f"loco: its state is split over {devices.axes}, but it averages over "
                      f"{storage.axes}; restore it where its axis_name is the data axes")
-  n, m = math.prod(devices.old), math.prod(devices.new)
+  n, count = math.prod(devices.old), len(like.signature.shapes)
+  error, gather = [None] * count, [None] * count
+  for key, indices in storage.groups:
+    plan, old = _plan(like.signature, indices, n, storage), [s.groups[key] for s in states]
+    _check_buckets("loco", old[0].error, plan, n, key)
+    for i, x in enumerate(_mean_error([(g.error, g.error_scale) for g in old], plan, n,
+                                      storage)):
+      error[i] = x if i in indices else error[i]
+    if old[0].gather_error is not None:
+      whole = _shard_error([(g.gather_error, g.gather_scale) for g in old], plan, storage)
+      gather = [x if i in indices else g for i, (x, g) in enumerate(zip(whole, gather))]
+  quantized = any(g.gather_error is not None for g in states[0].groups.values())
+  return ByLeaf({"error": error, **({"gather": gather} if quantized else {})}, states[0].count)
+
+
+def _loco_states(merged: ByLeaf, like: LocoState, devices: Devices) -> list:
+  """Every new device's error: the merged one encoded in the new buckets (the same on each);
+  the whole leaves' gather errors cut again, device j's shard its row j."""
+  storage, m = _storage(like.signature, "loco"), math.prod(devices.new)
   groups = {}
   for key, indices in storage.groups:
-    old_plan, new_plan = (_plan(like.signature, indices, r, storage) for r in (n, m))
-    old = [s.groups[key] for s in states]
-    _check_buckets("loco", old[0].error, old_plan, n, key)
-    merged = _mean_error([(g.error, g.error_scale) for g in old], old_plan, n, storage)
-    error, scale = _flat(*_codes(merged, new_plan, storage))
-    new = [GroupState(error, scale, None, None)] * m
-    if old[0].gather_error is not None:
-      whole = _shard_error([(g.gather_error, g.gather_scale) for g in old], old_plan, storage)
-      codes, scales = _codes(whole, new_plan, storage)
-      new = [g._replace(**dict(zip(("gather_error", "gather_scale"), _flat(codes, scales, j))))
-             for j, g in enumerate(new)]
-    groups[key] = new
-  return [LocoState(states[0].count, ByGroup({k: v[j] for k, v in groups.items()}),
-                    like.signature) for j in range(m)]
+    plan = _plan(like.signature, indices, m, storage)
+    pick = lambda values: [x if i in indices else None for i, x in enumerate(values)]
+    error, scale = _flat(*_codes(pick(merged.leaves["error"]), plan, storage))
+    groups[key] = [GroupState(error, scale, None, None)] * m
+    if "gather" in merged.leaves:
+      codes, scales = _codes(pick(merged.leaves["gather"]), plan, storage)
+      groups[key] = [g._replace(**dict(zip(("gather_error", "gather_scale"),
+                                           _flat(codes, scales, j))))
+                     for j, g in enumerate(groups[key])]
+  return [LocoState(merged.rest, ByGroup({k: v[j] for k, v in groups.items()}), like.signature)
+          for j in range(m)]
+
+
+def _merge_loco(states: list, like: LocoState, devices: Devices) -> list:
+  return _loco_states(_loco_merged(states, like, devices), like, devices)
+
+
+def _loco_old_like(like: LocoState, shapes: list, axes: list) -> LocoState:
+  """One device's LoCo state (shapes) on a mesh where the params' blocks had `shapes` and were
+  split over the model `axes`: the groups and buckets of that mesh."""
+  signature, groups = like.signature, {}
+  for i, (shape, floats) in enumerate(zip(shapes, signature.floats)):
+    if floats and math.prod(shape):
+      groups.setdefault(",".join(sorted(axes[i])), []).append(i)
+  layout = tuple((k, tuple((key, tuple(v)) for key, v in groups.items()) if k == "groups"
+                  else v) for k, v in signature.layout)
+  return like._replace(signature=TreeSignature(signature.treedef, tuple(map(tuple, shapes)),
+                                               signature.floats, layout))
 
 
 # --- two_hop: an intra-node hop over the local axis, a node hop over node shards --------------
@@ -312,30 +366,47 @@ def _merge_ef21(states: list, like: EF21State, devices: Devices) -> list:
   return [merged] * math.prod(devices.new)
 
 
+def _by_leaf(fields: tuple[str, ...]) -> Reblock:
+  """A state whose `fields` hold each leaf's float values (flat, its block's elements): merged
+  as its type's merge does, those fields by leaf and the rest as they are."""
+  def merged(states: list, like: Any, devices: Devices) -> ByLeaf:
+    one = _MERGES[type(like)].merge(states, like, devices)[0]
+    return ByLeaf({f: jax.tree.leaves(getattr(one, f)) for f in fields},
+                  one._replace(**{f: None for f in fields}))
+
+  def states(merged: ByLeaf, like: Any, devices: Devices) -> list:
+    trees = {f: jax.tree.structure(getattr(like, f)).unflatten(merged.leaves[f]) for f in fields}
+    return [merged.rest._replace(**trees)] * math.prod(devices.new)
+  return Reblock(merged, states, lambda like, shapes, axes: like)
+
+
 _ERROR_MEAN = ("the devices' errors decoded and averaged, every new device starting from the "
                "mean: the correction owed to the averaged update is kept")
 _SAME = lambda like, devices: like  # per-leaf state: laid out alike on any device count
 _MERGES: dict[type, Registered] = {
     LocoState: Registered(_merge_loco, _ERROR_MEAN + " (int8: re-encoded in the new buckets); "
                           "a quantized gather's shard errors joined and cut again",
-                          _loco_layout),
+                          _loco_layout, Reblock(_loco_merged, _loco_states, _loco_old_like)),
     TwoHopState: Registered(_merge_two_hop, _ERROR_MEAN + " (the node hop's per node shard); "
                             "the node shards joined and cut again for the new local axis",
                             _two_hop_layout),
-    Co3State: Registered(_merge_co3, _ERROR_MEAN + "; scales and coded bits averaged", _SAME),
-    ErrorFeedbackState: Registered(_merge_error_feedback, _ERROR_MEAN, _SAME),
+    Co3State: Registered(_merge_co3, _ERROR_MEAN + "; scales and coded bits averaged", _SAME,
+                         _by_leaf(("error",))),
+    ErrorFeedbackState: Registered(_merge_error_feedback, _ERROR_MEAN, _SAME,
+                                   _by_leaf(("error",))),
     EF21State: Registered(_merge_ef21, "g_i averaged (the estimate g, their mean, carried "
-                          "over): mean_j g'_j = g still", _SAME),
+                          "over): mean_j g'_j = g still", _SAME, _by_leaf(("local", "estimate"))),
 }
 
 
-def register_merge(state_type: type, merge: Merge, how: str, layout: Layout | None = None
-                   ) -> None:
+def register_merge(state_type: type, merge: Merge, how: str, layout: Layout | None = None,
+                   reblock: Reblock | None = None) -> None:
   """Declares how the per-device fields of a state class of your own (`register_per_device`)
   are merged for another device count: `merge(states, like, devices)` takes the n old devices'
   states (numpy) and one new device's state (ShapeDtypeStructs) and returns the m new ones';
   `how` says what it preserves, for the restore's record; `layout(like, devices)` gives one
-  old device's state (shapes) where it differs from a new one's (default: the same).
+  old device's state (shapes) where it differs from a new one's (default: the same);
+  `reblock`: how it goes to a mesh of another shape over the model axes (default: refused).
 
   Example:
     >>> from typing import Any, NamedTuple
@@ -347,7 +418,7 @@ def register_merge(state_type: type, merge: Merge, how: str, layout: Layout | No
   if not callable(merge) or not isinstance(how, str):
     raise ValueError(f"register_merge: merge must be callable and how a str, got "
                      f"{type(merge).__name__} and {type(how).__name__}")
-  _MERGES[state_type] = Registered(merge, how, layout or _SAME)
+  _MERGES[state_type] = Registered(merge, how, layout or _SAME, reblock)
 
 
 def merge_of(state: Any) -> Registered | None:
