@@ -242,30 +242,6 @@ def test_another_model_mode_or_transformation_is_refused_naming_both(tmp_path):
       restore(state_like=like)
 
 
-def test_data_axes_are_the_layouts_or_those_that_changed():
-  assert reshard.data_axes([["data", 8]], [["data", 4]], {}) == ("data",)
-  layout = {"mode": "ddp", "data axes": ["data"], "model axes": ["model"], "params": {}}
-  assert reshard.data_axes([["data", 4], ["model", 2]], [["data", 2], ["model", 2]],
-                           {"layout": layout}) == ("data",)
-  for now in ([["data", 2], ["model", 4]], [["data", 8]], [["data", 8], ["model", 1]]):
-    assert reshard.data_axes([["data", 4], ["model", 2]], now, {"layout": layout}) == ("data",)
-    assert reshard.model_changed([["data", 4], ["model", 2]], now, ("data",))
-  assert not reshard.model_changed([["data", 8], ["model", 1]], [["data", 4]], ("data",))
-  for old, now in (([["data", 4], ["model", 2]], [["data", 2], ["model", 2]]),
-                   ([["data", 8]], [["data", 4], ["model", 2]])):
-    with pytest.raises(ValueError, match="which axes are data axes"):
-      reshard.data_axes(old, now, {})
-  for old, now in (([["data", 8]], [["node", 2], ["local", 4]]),
-                   ([["data", 4], ["model", 2]], [["data", 4], ["tensor", 2]]),
-                   ([["data", 4], ["model", 2]], [["model", 2], ["data", 4]])):
-    with pytest.raises(ValueError, match=re.escape(
-        f"mesh: checkpoint {reshard._text(old)}, now {reshard._text(now)}: a state re-laid for "
-        f"another mesh keeps its axes (names and order)")):
-      reshard.data_axes(old, now, {})
-  with pytest.raises(ValueError, match=re.escape("the data axes ('data',) must be on both")):
-    reshard.data_axes([["data", 4], ["model", 2]], [["model", 8]], {"layout": layout})
-
-
 def test_diloco_workers_restart_from_their_mean():
   mesh4 = parallel.data_mesh(4)
   like = jax.ShapeDtypeStruct((4, 3), jnp.float32, sharding=NamedSharding(mesh4, P("data")))

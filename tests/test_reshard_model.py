@@ -113,7 +113,8 @@ def test_zero2_goes_to_another_model_shape_and_back_exactly(tmp_path):
       for a, b in zip(jax.tree.leaves(whole(field(mine), run)),
                       jax.tree.leaves(whole(field(state), first))):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-  owed = {k: np.mean([r[k] for r in loco_rows(state.compressor_state, first.mesh)], axis=0) for k in SHAPES}
+  rows = loco_rows(state.compressor_state, first.mesh)
+  owed = {k: np.mean([r[k] for r in rows], axis=0) for k in SHAPES}
   for mine, mesh in ((there, eight.mesh), (back, first.mesh)):
     rows = loco_rows(mine.compressor_state, mesh)
     for k in SHAPES:

@@ -12,9 +12,10 @@ Checkpoints from disk are not trusted: `restore` and `metadata` check every file
 marker and raise a ValueError naming the path and what is wrong. A restore also needs the same
 config, device count, mesh and tree, else a ValueError names each difference, e.g. "mesh:
 checkpoint (data=4, model=2), now (data=8)". With `reshard=True` a mesh whose data axes have
-other sizes is accepted: the state is re-laid for it (train/reshard.py: master shards re-cut,
-per-device errors merged) and the result says how. Put `train_layout(mesh, params, mode=...)`
-in the config to check what the arrays cannot show. Format 2 checkpoints (no mesh record)
+other sizes, or whose model axes have another shape, is accepted: the state is re-laid for it
+(train/reshard.py: master shards re-cut, per-device errors merged) and the result says how.
+Put `train_layout(mesh, params, mode=...)` in the config to check what the arrays cannot show;
+a change of the model axes needs it. Format 2 checkpoints (no mesh record)
 restore on one device only. Multi-host: every process calls `save` and `restore` alike, on a
 shared directory; process 0 writes the marker.
 """
@@ -31,7 +32,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from loco_jax.train import checkpoint_record, checkpoint_steps, reshard as reshard_lib
+from loco_jax.train import checkpoint_record, checkpoint_steps, mesh_change
+from loco_jax.train import reshard as reshard_lib
 from loco_jax.train.checkpoint_record import train_layout
 from loco_jax.train.model_blocks import ModelBlocks, model_blocks
 from loco_jax.train.reshard import Restored
@@ -292,10 +294,12 @@ def restore(directory: str | os.PathLike, state_like: Any, config: dict,
   shardings): the result has its tree, dtypes and shardings. A ValueError lists every
   difference of files, config, devices, mesh or tree, and nothing is read. Returns (state, step).
 
-  `reshard=True` also accepts a mesh whose data axes have other sizes, the model, mode and
-  transformations the same (train/reshard.py says how each leaf is re-laid; LoCo's errors are
-  averaged over the old devices). `mesh_keys`: the config keys that describe the mesh and may
-  then differ (e.g. "devices"). Returns `Restored(state, step, resharded)`, where `resharded`
+  `reshard=True` also accepts a mesh whose data axes have other sizes or whose model axes have
+  another shape (a model axis may come or go), the model, mode and transformations the same
+  (train/reshard.py says how each leaf is re-laid; LoCo's errors are averaged over the old
+  devices). A change of the model axes needs `train_layout` in both configs; its model axes
+  and param splits may then differ. `mesh_keys`: the config keys that describe the mesh and
+  may then differ (e.g. "devices"). Returns `Restored(state, step, resharded)`, where `resharded`
   says how, or is None on the same mesh (restored as saved, bit for bit).
 
   Example:
@@ -329,11 +333,11 @@ def restore(directory: str | os.PathLike, state_like: Any, config: dict,
   data, model, differences = (), False, []
   if relaid:
     try:
-      data = reshard_lib.data_axes(saved["mesh"], now["mesh"], now["config"])
-      model = reshard_lib.model_changed(saved["mesh"], now["mesh"], data)
+      data = mesh_change.data_axes(saved["mesh"], now["mesh"], now["config"])
+      model = mesh_change.model_changed(saved["mesh"], now["mesh"], data)
     except ValueError as e:
       differences.append(str(e))
-  keys = tuple(mesh_keys) + (reshard_lib.model_keys(now["config"]) if model else ())
+  keys = tuple(mesh_keys) + (mesh_change.model_keys(now["config"]) if model else ())
   differences = checkpoint_record.differences(
       saved, now, keys if relaid else None, data, model) + differences
   if differences:

@@ -16,6 +16,8 @@ from jax.sharding import PartitionSpec as P
 
 from loco_jax.core import layout
 from loco_jax.core.local_blocks import entry_axes, spec_axes
+from loco_jax.train.checkpoint_record import spec_of
+from loco_jax.train.mesh_change import train_layout_in
 from loco_jax.transforms import merge as merges
 
 
@@ -115,20 +117,13 @@ class ModelBlocks(NamedTuple):
     return [pieces[new.block_at(at, self.new_sizes)] for at in self.positions(True)]
 
 
-def _layout_of(config: dict) -> dict | None:
-  for value in (config, *config.values()):
-    if isinstance(value, dict) and {"data axes", "model axes", "params", "shapes"} <= set(value):
-      return value
-  return None
-
-
 def model_blocks(saved_config: dict, config: dict, saved_mesh: list, mesh: list,
                  params_like: Any) -> ModelBlocks:
   """The params' model blocks in a checkpoint (its config and mesh) and now, from the
   `train_layout` in both configs; `params_like`: the params' tree (its key paths). A
   ValueError where a config lacks it."""
-  layouts = [_layout_of(c) for c in (saved_config, config)]
-  if None in layouts:
+  layouts = [train_layout_in(c) for c in (saved_config, config)]
+  if any(layout is None or "shapes" not in layout for layout in layouts):
     raise ValueError("the model axes change shape: put checkpoint.train_layout(mesh, params, "
                      "mode=...) in the config, of the checkpoint and now: it tells each "
                      "param's shape and split")
@@ -139,11 +134,10 @@ def model_blocks(saved_config: dict, config: dict, saved_mesh: list, mesh: list,
   if missing:
     raise ValueError(f"the train_layout in the config has no param {missing[0]}: make it from "
                      f"the params the state was made from")
-  spec = lambda record: P(*[tuple(e) if isinstance(e, list) else e for e in record])
   sizes = [dict(m) for m in (saved_mesh, mesh)]
   axes = tuple(dict.fromkeys(a for m in (saved_mesh, mesh) for a, _ in m
                              if a not in new["data axes"]))
-  splits = [tuple(split_of(tuple(layout["shapes"][p]), spec(layout["params"][p]), s, p)
+  splits = [tuple(split_of(tuple(layout["shapes"][p]), spec_of(layout["params"][p]), s, p)
                   for p in paths) for layout, s in zip(layouts, sizes)]
   return ModelBlocks(paths, *splits, *sizes, axes, jax.tree.structure(params_like))
 

@@ -1,10 +1,10 @@
 """Elastic resume: a state checkpointed on one mesh, re-laid for a mesh whose data axes have other
-sizes (`checkpoint.restore(..., reshard=True)`).
+sizes, or whose model axes have another shape (`checkpoint.restore(..., reshard=True)`).
 
 Each leaf is converted by what it holds, read from the state's types and specs:
 
 - Split over no data axis (ddp's and DiLoCo's params, adamw's moments there, counters): a
-  global array, the same on any mesh; restored as it is.
+  global array, the same on any mesh; restored as it is, placed with the new model split.
 - A per-device field of a transformation's state (`transforms.specs`): merged by its type's
   merge (`transforms.merge`): LoCo's errors decoded, averaged and re-encoded, and so on.
 - DiLoCo's workers and their inner optimizer states, stacked over the data axes: every new
@@ -15,7 +15,11 @@ Each leaf is converted by what it holds, read from the state's types and specs:
   the data axes): each leaf's rows joined (per model block) and cut again for the new devices,
   exactly.
 
-The model axes keep their sizes: a leaf's blocks over them are re-laid each on its own.
+Where the model axes keep their shape, a leaf's blocks over them are re-laid each on its own.
+Where they change (`model_blocks`: from the train_layout in both configs), a master shard's
+blocks are joined into the whole param and cut again, exactly; a per-device state is merged
+over the data axes block by block, by param leaf (`merge.Reblock`), each param's merged
+blocks joined and cut again, and the new devices' states made from them.
 """
 
 import math
@@ -28,13 +32,12 @@ from jax.sharding import PartitionSpec as P
 
 from loco_jax.core.local_blocks import entry_axes
 from loco_jax.train import model_blocks
+from loco_jax.train.checkpoint_record import mesh_text
 from loco_jax.train.diloco import DilocoState, fragment_leaves
+from loco_jax.train.mesh_change import model_changed
 from loco_jax.train.model_blocks import ModelBlocks
 from loco_jax.transforms import merge as merges
 from loco_jax.transforms.specs import per_device_fields
-
-_LAYOUT_KEYS = {"mode", "data axes", "model axes", "params"}
-
 
 class Resharded(NamedTuple):
   """How a restore re-laid a state saved on another mesh: the meshes, and per kind of leaf
@@ -63,70 +66,6 @@ class _Meshes(NamedTuple):
 
   def sizes(self, axes: tuple[str, ...]) -> tuple[int, int]:
     return (math.prod(self.old[a] for a in axes), math.prod(self.new[a] for a in axes))
-
-
-def _text(mesh: list) -> str:
-  return "(" + ", ".join(f"{name}={size}" for name, size in mesh) + ")"
-
-
-def _train_layout(config: dict) -> dict | None:
-  """The `checkpoint.train_layout` in `config` (the config itself or one of its values)."""
-  for value in (config, *config.values()):
-    if isinstance(value, dict) and _LAYOUT_KEYS <= set(value):
-      return value
-  return None
-
-
-def model_keys(config: dict) -> tuple[str, ...]:
-  """The keys of `config` (nested ones joined by '.') of its train_layout's model axes and
-  params' splits: they differ where the model axes change shape."""
-  for key, value in (("", config), *config.items()):
-    if isinstance(value, dict) and _LAYOUT_KEYS <= set(value):
-      return tuple(f"{key}.{k}" if key else k for k in ("model axes", "params"))
-  return ()
-
-
-def data_axes(saved: list, now: list, config: dict) -> tuple[str, ...]:
-  """The data axes of a restore from mesh `saved` onto mesh `now` ([[axis, size], ...], as a
-  checkpoint records them): the train_layout's in `config`, else the axes whose sizes differ.
-  A ValueError naming both meshes where the axes were renamed or reordered (a model axis may
-  come or go: size 1), or a data axis is missing.
-
-  Example:
-    >>> data_axes([["data", 8]], [["data", 4]], {})
-    ('data',)
-  """
-  both = f"checkpoint {_text(saved) if saved else 'no mesh'}, now {_text(now) if now else 'no mesh'}"
-  old, new = dict(saved or []), dict(now or [])
-  only_old, only_new = [a for a in old if a not in new], [a for a in new if a not in old]
-  if (not saved or not now or only_old and only_new
-          or [a for a in old if a in new] != [a for a in new if a in old]):
-    raise ValueError(f"mesh: {both}: a state re-laid for another mesh keeps its axes (names "
-                     f"and order); the data axes may change size, the model axes their shape "
-                     f"(one may come or go)")
-  layout = _train_layout(config)
-  if layout is not None:
-    data = tuple(layout["data axes"])
-  else:
-    data = tuple(a for a in old if a in new and old[a] != new[a])
-    if len(data) < len(old) or only_new:
-      raise ValueError(f"mesh: {both}: which axes are data axes? Put "
-                       f"checkpoint.train_layout(mesh, params, mode=...) in the config")
-  if any(a not in old or a not in new for a in data):
-    raise ValueError(f"mesh: {both}: the data axes {data} must be on both meshes")
-  return data
-
-
-def model_changed(saved: list, now: list, data: tuple[str, ...]) -> bool:
-  """Whether the model axes (all but `data`) have another shape on mesh `now` than on `saved`
-  (an axis a mesh lacks: size 1).
-
-  Example:
-    >>> model_changed([["data", 4], ["model", 2]], [["data", 8]], ("data",))
-    True
-  """
-  sizes = [{a: n for a, n in mesh if a not in data and n > 1} for mesh in (saved, now)]
-  return sizes[0] != sizes[1]
 
 
 def _spec(like: Any) -> P:
@@ -293,7 +232,8 @@ def _merged(state: Any, specs: Any, like: Any, meshes: _Meshes, where: str) -> A
   return like_treedef.unflatten([o.reshape(l.shape) for o, l in zip(outs, likes)])
 
 
-_NEW_BLOCKS = "per model block, by leaf: each param's blocks joined and cut again for the new model axes"
+_NEW_BLOCKS = ("per model block, by leaf: each param's blocks joined and cut again for the new "
+               "model axes")
 
 
 def _relay(state: Any, specs: Any, like: Any, meshes: _Meshes, where: str, notes: dict,
@@ -429,8 +369,9 @@ def relay(state: Any, like: Any, saved_mesh: list, data: tuple[str, ...],
   mesh = _mesh_of(like)
   meshes = _meshes(data, saved_mesh, mesh)
   if model_changed(saved_mesh, list(mesh.shape.items()), data) and blocks is None:
-    raise ValueError(f"reshard: the model axes change shape ({_text(saved_mesh)} to "
-                     f"{_text(list(mesh.shape.items()))}): pass the params' blocks (blocks=)")
+    raise ValueError(f"reshard: the model axes change shape ({mesh_text(saved_mesh)} to "
+                     f"{mesh_text(list(mesh.shape.items()))}): pass the params' blocks, "
+                     f"blocks=model_blocks.model_blocks(...)")
   if specs is None:
     specs = jax.tree.map(_spec, like)
   notes: dict[str, str] = {}
@@ -442,6 +383,6 @@ def relay(state: Any, like: Any, saved_mesh: list, data: tuple[str, ...],
     return x if sharding is None else jax.make_array_from_callback(
         x.shape, sharding, lambda index: x[index])
   placed = jax.tree.map(place, relaid, like)
-  record = Resharded(_text(saved_mesh), _text(list(mesh.shape.items())), tuple(data),
+  record = Resharded(mesh_text(saved_mesh), mesh_text(list(mesh.shape.items())), tuple(data),
                      tuple(f"{what}: {how}" for what, how in notes.items()))
   return placed, record
