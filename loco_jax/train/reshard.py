@@ -283,12 +283,11 @@ def _diloco(state: DilocoState, specs: DilocoState, like: DilocoState, meshes: _
   stacked = {f: jax.tree.map(lambda x, l: _per_worker(np.asarray(x), l, meshes, where),
                              getattr(state, f), getattr(like, f))
              for f in ("workers", "opt_state")}
-  parts = fragment_leaves(like.params, len(like.compressor_state))
-  compressors = tuple(_relay(x, s, l, meshes, f"{where}.compressor_state[{f}]", notes,
-                             None if blocks is None else blocks.select(parts[f]))
-                      for f, (x, s, l) in enumerate(zip(state.compressor_state,
-                                                        specs.compressor_state,
-                                                        like.compressor_state)))
+  parts = [None] * len(like.compressor_state) if blocks is None else _fragments(like, blocks)
+  compressors = tuple(_relay(x, s, l, meshes, f"{where}.compressor_state[{f}]", notes, b)
+                      for f, (x, s, l, b) in enumerate(zip(state.compressor_state,
+                                                           specs.compressor_state,
+                                                           like.compressor_state, parts)))
   rest = {f: _relay(getattr(state, f), getattr(specs, f), getattr(like, f), meshes,
                     f"{where}.{f}", notes, blocks) for f in ("params", "outer_state", "step")}
   return DilocoState(**stacked, compressor_state=compressors, **rest)
@@ -305,14 +304,20 @@ def _paths(like: Any, meshes: _Meshes, where: str, blocks: ModelBlocks | None) -
     return jax.tree_util.tree_map_with_path(lambda p, _: where + jax.tree_util.keystr(p), old)
   if _is_array(like):
     return where
+  if isinstance(like, DilocoState) and blocks is not None:
+    return like._replace(compressor_state=tuple(
+        _paths(c, meshes, f"{where}.compressor_state[{f}]", b)
+        for f, (c, b) in enumerate(zip(like.compressor_state, _fragments(like, blocks)))),
+        **{f: _paths(getattr(like, f), meshes, f"{where}.{f}", None)
+           for f in like._fields if f != "compressor_state"})
   children, paths, treedef = _children(like)
-  parts = (fragment_leaves(like.params, len(like.compressor_state))
-           if isinstance(like, DilocoState) and blocks is not None else None)
-  return treedef.unflatten([_paths(c, meshes, where + p, blocks) for c, p in zip(children, paths)]
-                           if parts is None else [
-      _paths(c, meshes, where + p, None) if p != ".compressor_state" else
-      tuple(_paths(s, meshes, f"{where}{p}[{f}]", blocks.select(parts[f]))
-            for f, s in enumerate(c)) for c, p in zip(children, paths)])
+  return treedef.unflatten([_paths(c, meshes, where + p, blocks) for c, p in zip(children, paths)])
+
+
+def _fragments(like: DilocoState, blocks: ModelBlocks) -> list[ModelBlocks]:
+  """The model blocks of each DiLoCo fragment's params (its compressor state's)."""
+  return [blocks.select(part)
+          for part in fragment_leaves(like.params, len(like.compressor_state))]
 
 
 def saved_paths(like: Any, saved_mesh: list, data: tuple[str, ...],
