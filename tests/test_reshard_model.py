@@ -16,6 +16,7 @@ import decoded
 import train_worker
 from loco_jax import co3, loco
 from loco_jax.train import checkpoint, model_blocks, parallel
+from loco_jax.train.diloco import fragment_leaves
 from model_runs import HIDDEN, SHAPES, SPECS, loco_rows, mesh_of, restored, run_on, trained
 from loco_jax.transforms import baselines, merge
 from loco_jax.transforms.two_hop import TwoHopState
@@ -65,6 +66,15 @@ def test_master_shards_are_cut_again_for_other_model_blocks():
 
 
 # error_feedback's and LoCo's: tests/test_resume_step.py, with the first step from them.
+def _mean_kept(before: list, after: list) -> None:
+  """Every new row (whole params) is the old rows' float64 mean, and the old rows differ."""
+  for k in before[0]:
+    stack = np.stack([r[k] for r in before]).astype(np.float64)
+    assert np.abs(stack - stack[0]).max() > 0, k
+    for r in after:
+      np.testing.assert_array_equal(r[k], stack.mean(0).astype(np.float32))
+
+
 FLOATS = {"ef21": (lambda: baselines.ef21(block_size=64, axis_name="data"), ("local",)),
           "co3": (lambda: co3("fp4", axis_name="data", refit_interval=2), ("error",))}
 
@@ -79,13 +89,8 @@ def test_float_errors_are_their_mean_on_other_model_blocks(tmp_path, name):
   state = trained(old, 3)
   out = restored(tmp_path, state, old, new).state.compressor_state
   for f in fields:
-    before = decoded.float_errors(getattr(state.compressor_state, f), SHAPES, SPECS, 4, 2)
-    after = decoded.float_errors(getattr(out, f), SHAPES, SPECS, 2, 4)
-    for k in SHAPES:
-      stack = np.stack([r[k] for r in before]).astype(np.float64)
-      assert np.abs(stack - stack[0]).max() > 0, k   # the devices' errors differ
-      for r in after:
-        np.testing.assert_array_equal(r[k], stack.mean(0).astype(np.float32))
+    _mean_kept(decoded.float_errors(getattr(state.compressor_state, f), SHAPES, SPECS, 4, 2),
+               decoded.float_errors(getattr(out, f), SHAPES, SPECS, 2, 4))
   if name == "ef21":
     for k in SHAPES:
       whole = lambda s, m: decoded.float_errors(s.estimate, SHAPES, SPECS, 1, m)[0][k]
@@ -96,6 +101,28 @@ def test_float_errors_are_their_mean_on_other_model_blocks(tmp_path, name):
                                  np.asarray(state.compressor_state.scale[k]).mean(), rtol=1e-6)
     np.testing.assert_allclose(np.asarray(out.coded_bits),
                                np.asarray(state.compressor_state.coded_bits).mean(), rtol=1e-6)
+
+
+@pytest.mark.slow
+def test_diloco_fragments_keep_their_mean_on_other_model_blocks(tmp_path):
+  """mode="diloco", 2 fragments: each fragment's error, over its own params, is the old rows'
+  mean on every new device; every new worker the old workers' mean."""
+  factory = lambda: baselines.error_feedback(block_size=64, axis_name="data")
+  old, new = (run_on(mesh_of(*m), "diloco", factory(), inner_steps=2, fragments=2)
+              for m in ((4, 2), (2, 4)))
+  state = trained(old, 3)
+  out = restored(tmp_path, state, old, new).state
+  names = sorted(SHAPES)
+  for f, part in enumerate(fragment_leaves(train_worker.init_params(HIDDEN), 2)):
+    shapes = {names[i]: SHAPES[names[i]] for i in part}
+    errors = lambda s, data, model: decoded.float_errors(
+        dict(zip(shapes, jax.tree.leaves(s.compressor_state[f].error))), shapes, SPECS, data,
+        model)
+    _mean_kept(errors(state, 4, 2), errors(out, 2, 4))
+  for k in SHAPES:
+    rows = np.asarray(state.workers[k]).astype(np.float64)
+    for row in np.asarray(out.workers[k]):
+      np.testing.assert_array_equal(row, rows.mean(0).astype(np.float32))
 
 
 @pytest.mark.slow
