@@ -15,7 +15,7 @@ import train_worker
 from loco_jax.train import checkpoint, parallel
 
 HIDDEN = 32
-SPECS = {"w1": P(None, "model"), "b1": P("model"), "w2": P("model", None), "b2": P()}
+SPECS = train_worker.MODEL_SPECS
 SHAPES = {k: np.shape(v) for k, v in train_worker.init_params(HIDDEN).items()}
 
 

@@ -108,8 +108,7 @@ ERROR_CASES = [  # (mode, compressor, old (data, model), new (data, model)); mod
     ("ddp", "loco4", (4, 2), (2, 4)),
     ("ddp", "loco4-quantized", (4, 2), (8, 0)),
     ("ddp", "error_feedback", (4, 2), (2, 4)),
-    ("zero2", "loco4", (4, 2), (8, 1)),
-    ("zero2", "loco4", (8, 0), (4, 0)),
+    ("zero2", "loco4", (4, 2), (8, 1)),   # the data size changes too in each of these
     ("fsdp", "loco4", (8, 0), (4, 0)),
 ]
 
