@@ -163,39 +163,34 @@ def recut_rows(x: np.ndarray, split: tuple[Split, Split], devices: tuple[int, in
   return pieces.reshape(new.blocks, d_new, s_new).transpose(1, 0, 2).reshape(-1)
 
 
-def _index(spec: P, at: dict[str, int], sizes: dict[str, int], where: str) -> tuple[int, int]:
-  """(the part of dimension 0 the device at `at` holds, the parts): a per-device state's leaves
-  are split on dimension 0 only."""
+def _part(shape: tuple, spec: P, at: dict[str, int], sizes: dict[str, int], where: str):
+  """The index of what the device at `at` (an index along each mesh axis) holds of a global
+  leaf of `shape` split as `spec`: a per-device state's leaves are split on dimension 0 only."""
   entries = tuple(spec)
   if any(entry_axes(e) for e in entries[1:]):
     raise ValueError(f"{where}: a leaf split as {spec}; expected a split of dimension 0 only")
   axes = entry_axes(entries[0]) if entries else ()
-  if not axes:
-    return 0, 1
   counts = [sizes.get(a, 1) for a in axes]
-  return int(np.ravel_multi_index([at.get(a, 0) for a in axes], counts)), math.prod(counts)
+  if math.prod(counts) == 1:
+    return ...
+  n, k = shape[0] // math.prod(counts), np.ravel_multi_index([at.get(a, 0) for a in axes], counts)
+  return slice(int(k) * n, (int(k) + 1) * n)
 
 
 def part(x: np.ndarray, spec: P, at: dict[str, int], sizes: dict[str, int],
          where: str) -> np.ndarray:
-  """What the device at `at` (an index along each mesh axis) holds of the global leaf `x`."""
-  k, parts = _index(spec, at, sizes, where)
-  n = np.shape(x)[0] // parts if parts > 1 else None
-  return x if n is None else x[k * n:(k + 1) * n]
+  """What the device at `at` holds of the global leaf `x`."""
+  return np.asarray(x)[_part(np.shape(x), spec, at, sizes, where)]
 
 
 def put(out: np.ndarray, value: np.ndarray, spec: P, at: dict[str, int],
         sizes: dict[str, int], where: str) -> None:
   """`part`'s inverse: the device at `at` holds `value` in the global leaf `out`."""
-  k, parts = _index(spec, at, sizes, where)
-  if np.shape(value) != (out.shape if parts == 1 else (out.shape[0] // parts, *out.shape[1:])):
-    raise ValueError(f"{where}: a merge made a leaf of shape {np.shape(value)}, expected one "
-                     f"of {parts} parts of {list(out.shape)}")
-  n = out.shape[0] // parts if parts > 1 else None
-  if n is None:
-    out[...] = value
-  else:
-    out[k * n:(k + 1) * n] = value
+  index = _part(out.shape, spec, at, sizes, where)
+  if np.shape(value) != out[index].shape:
+    raise ValueError(f"{where}: a merge made a leaf of shape {np.shape(value)}, expected "
+                     f"{list(out[index].shape)}, a device's part of {list(out.shape)}")
+  out[index] = value
 
 
 def reblocked(state: Any, specs: Any, like: Any, blocks: ModelBlocks, data: tuple[str, ...],
@@ -234,9 +229,9 @@ def reblocked(state: Any, specs: Any, like: Any, blocks: ModelBlocks, data: tupl
 def one_device(like: Any, sizes: dict[str, int]) -> Any:
   """One device's part of a state whose leaves are split on dimension 0 (ShapeDtypeStructs)."""
   def local(l):
-    parts = _index(l.sharding.spec, {}, sizes, "a state leaf")[1]
-    shape = (l.shape[0] // parts, *l.shape[1:]) if l.shape else ()
-    return jax.ShapeDtypeStruct(shape, l.dtype)
+    index = _part(l.shape, l.sharding.spec, {}, sizes, "a state leaf")
+    shape = l.shape if index is ... else (index.stop - index.start, *l.shape[1:])
+    return jax.ShapeDtypeStruct(tuple(shape), l.dtype)
   return jax.tree.map(local, like)
 
 
