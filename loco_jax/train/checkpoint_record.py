@@ -201,8 +201,9 @@ def _counted(items: list[str]) -> list[str]:
 def _without_groups(layout: Any) -> Any:
   """A recorded transformation layout without its groups of leaves, which follow the model
   axes."""
-  return [e for e in layout if not (isinstance(e, list) and e[:1] == ["groups"])] if isinstance(
-      layout, list) else layout
+  if not isinstance(layout, list):
+    return layout
+  return [e for e in layout if not (isinstance(e, list) and e[:1] == ["groups"])]
 
 
 def differences(saved: dict, now: dict, mesh_keys: tuple[str, ...] | None = None,
