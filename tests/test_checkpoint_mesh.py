@@ -102,7 +102,9 @@ def test_train_layout_tells_apart_what_the_arrays_cannot(tmp_path):
   layout = checkpoint.train_layout(mesh, columns, mode="zero2")
   assert layout == {"mode": "zero2", "data axes": ["data"], "model axes": ["model"],
                     "params": {"['b1']": ["model"], "['b2']": ["model"],
-                               "['w1']": [None, "model"], "['w2']": ["model"]}}
+                               "['w1']": [None, "model"], "['w2']": ["model"]},
+                    "shapes": {"['b1']": [HIDDEN], "['b2']": [4], "['w1']": [16, HIDDEN],
+                               "['w2']": [HIDDEN, 4]}}
   checkpoint.save(tmp_path / "laid_out", 1, by_columns, {**CONFIG, "layout": layout})
   rows_config = {**CONFIG, "layout": checkpoint.train_layout(mesh, rows, mode="zero2")}
   with pytest.raises(ValueError, match=re.escape(

@@ -112,3 +112,48 @@ def test_a_job_that_loses_a_process_finishes_on_the_survivors_devices(tmp_path):
   noise = np.mean(np.abs(np.diff(uninterrupted)))
   gap = max(abs(after[k] - uninterrupted[k - 1]) for k in range(last + 1, STEPS + 1))
   assert gap <= noise, (gap, noise, ended)
+
+
+@pytest.mark.slow
+def test_two_processes_continue_a_checkpoint_of_another_model_shape(tmp_path):
+  """One process of 8 devices on (data=4, model=2) checkpoints at step 4; a job of two
+  processes of 4 devices each continues it on (data=8): every process reads the checkpoint and
+  re-lays it for the mesh over both. The job's curve stays within the uninterrupted run's
+  step-to-step noise."""
+  ckpt, losses, port = tmp_path / "ckpt", tmp_path / "losses.txt", str(_free_port())
+  logs = [tmp_path / f"{name}.log" for name in ("first", "process0", "process1")]
+  common = ["--mode", "zero2", "--losses", str(losses), "--ckpt-dir", str(ckpt),
+            "--ckpt-every", "4", "--hidden", "64"]
+  first = _start([*common, "--steps", "4", "--model", "2"], logs[0])
+  try:
+    first.wait(timeout=START_S)
+  finally:
+    _stop(first)
+  assert first.returncode == 0 and checkpoint.latest_step(ckpt) == 4, _logs(logs[0])
+  job = [_start([*common, "--steps", "8", "--elastic", "--num-processes", "2", "--process-id",
+                 str(i), "--port", port, "--devices-per-process", "4"], log)
+         for i, log in enumerate(logs[1:])]
+  try:
+    for p in job:
+      p.wait(timeout=FINISH_S)
+  except subprocess.TimeoutExpired:
+    pytest.fail(f"the two processes hung for more than {FINISH_S} s\n{_logs(*logs)}")
+  finally:
+    _stop(*job)
+  assert all(p.returncode == 0 for p in job), _logs(*logs)
+  for log in logs[1:]:
+    text = log.read_text()
+    assert "resumed from step 4" in text and "resharded from (data=4, model=2) to (data=8)" in text
+  meta = checkpoint.metadata(ckpt)
+  assert meta["step"] == 8 and meta["mesh"] == [["data", 8]] and meta["process count"] == 2
+  state, step, _ = train_worker.build("zero2", 64, train_worker.mesh_of(2))
+  uninterrupted = []
+  for k in range(8):
+    state, loss = step(state, train_worker.batch(k, train_worker.mesh_of(2)))
+    uninterrupted.append(float(loss))
+  resumed = _losses(losses)
+  assert sorted(resumed) == list(range(1, 9)), resumed
+  np.testing.assert_allclose([resumed[k] for k in range(1, 5)], uninterrupted[:4], rtol=1e-6)
+  noise = np.mean(np.abs(np.diff(uninterrupted)))
+  gap = max(abs(resumed[k] - uninterrupted[k - 1]) for k in range(5, 9))
+  assert gap <= noise, (gap, noise, resumed, uninterrupted)

@@ -76,6 +76,9 @@ same = jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), restored, state)
 assert all(jax.tree.leaves(same)), same
 assert elastic.step == 1 and str(elastic.resharded).startswith(
     "resharded from (data=8) to (data=4)") and np.isfinite(float(loss))
+assert str(elastic8.resharded).startswith("resharded from (data=4, model=2) to (data=8)")
+whole = lambda state, like: np.asarray(parallel.unshard_params(state.params, like)["w"])
+assert np.array_equal(whole(elastic8.state, params), whole(state42, placed(mesh42)))
 """,
 }
 

@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from loco_jax import co3, error_by_leaf, loco, two_hop
+import decoded
+from loco_jax import co3, loco, two_hop
 from loco_jax.core import buckets, layout
 from loco_jax.core.leaves import ByGroup
 from loco_jax.train import parallel, reshard
@@ -67,20 +68,8 @@ def _device(state: LocoState, d: int, n: int, field: str = "error") -> LocoState
 
 def _decoded(state: LocoState, params: dict, rows: int, block_size: int,
              fixed: float | None = None) -> dict:
-  """One device's error per leaf in float64, from `error_by_leaf`'s codes and block scales,
-  each element divided by its block's scale (0 where the scale is 0)."""
-  codes, scales = error_by_leaf(state, params, block_size, rows)
-  plan = buckets.plan(tuple(x.size for x in jax.tree.leaves(params)), rows, block_size)
-  out = {}
-  for k, leaf in zip(sorted(params), plan.leaves):
-    lens = [plan.block_lens[q.bucket] for q in leaf.pieces for _ in range(q.blocks)]
-    block_of = np.repeat(np.arange(len(lens)), lens)[: leaf.row_len]
-    q = np.pad(np.asarray(codes[k], np.float64), (0, rows * leaf.row_len - leaf.size))
-    q = q.reshape(rows, leaf.row_len)
-    s = (np.full(q.shape, fixed) if fixed is not None else
-         np.asarray(scales[k], np.float64).reshape(rows, -1)[:, block_of])
-    out[k] = np.where(s > 0, q / np.where(s > 0, s, 1.0), 0.0).reshape(-1)[: leaf.size]
-  return out
+  """One device's error per leaf, flat, as LoCo decodes it (tests/decoded.py)."""
+  return decoded.loco_leaves(state, params, rows, block_size, fixed)
 
 
 LOCOS = {f"loco{bits}-{gather}": functools.partial(loco, bits=bits, gather=gather)
@@ -288,7 +277,7 @@ def test_a_state_type_without_a_merge_is_refused_or_registered():
     merge.register_merge(Mine, "not a function", "the mean")
   merge.register_merge(Mine, lambda states, like, devices: [
       Mine(merge.mean([s.error for s in states]))] * math.prod(devices.new), "the mean")
-  found, how, _ = merge.merge_of(Mine(np.zeros(2)))
+  found, how = merge.merge_of(Mine(np.zeros(2)))[:2]
   devices = merge.Devices(("data",), (2,), (3,))
   out = found([Mine(np.float32([1, 2])), Mine(np.float32([3, 4]))], None, devices)
   assert how == "the mean" and len(out) == 3 and out[2].error.tolist() == [2.0, 3.0]

@@ -242,24 +242,6 @@ def test_another_model_mode_or_transformation_is_refused_naming_both(tmp_path):
       restore(state_like=like)
 
 
-def test_data_axes_are_the_layouts_or_those_that_changed():
-  assert reshard.data_axes([["data", 8]], [["data", 4]], {}) == ("data",)
-  layout = {"mode": "ddp", "data axes": ["data"], "model axes": ["model"], "params": {}}
-  assert reshard.data_axes([["data", 4], ["model", 2]], [["data", 2], ["model", 2]],
-                           {"layout": layout}) == ("data",)
-  with pytest.raises(ValueError, match=re.escape(
-      "mesh: checkpoint (data=4, model=2), now (data=2, model=4): only the data axes "
-      "('data',) may change size, not the model axes (model: checkpoint 2, now 4)")):
-    reshard.data_axes([["data", 4], ["model", 2]], [["data", 2], ["model", 4]],
-                      {"layout": layout})
-  with pytest.raises(ValueError, match="which axes are data axes"):
-    reshard.data_axes([["data", 4], ["model", 2]], [["data", 2], ["model", 2]], {})
-  with pytest.raises(ValueError, match=re.escape(
-      "mesh: checkpoint (data=8), now (node=2, local=4): a state re-laid for another mesh "
-      "keeps its axes")):
-    reshard.data_axes([["data", 8]], [["node", 2], ["local", 4]], {})
-
-
 def test_diloco_workers_restart_from_their_mean():
   mesh4 = parallel.data_mesh(4)
   like = jax.ShapeDtypeStruct((4, 3), jnp.float32, sharding=NamedSharding(mesh4, P("data")))

@@ -3,6 +3,7 @@
 Usage (one process of 8 CPU devices, zero2 + LoCo, a checkpoint every 5 steps):
   python train_worker.py --steps 20 --losses L.txt --ckpt-dir D --ckpt-every 5
 Several processes: add --num-processes 2 --process-id I --port P --devices-per-process 4.
+--model 2: the devices as (data=N/2, model=2), the params split over "model" (MODEL_SPECS).
 Appends "step loss" lines (step = updates done, loss = repr of that update's mean loss) to
 --losses (process 0 only) and resumes from the newest checkpoint in --ckpt-dir if there is one;
 with --elastic, also from a checkpoint of another device count (`reshard=True`).
@@ -20,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402  (importing jax touches no device; main() configures them first)
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import AxisType, Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from loco_jax import loco  # noqa: E402
@@ -28,6 +29,7 @@ from loco_jax.train import checkpoint, fsdp, parallel
 
 IN, OUT, BATCH = 16, 4, 64
 LAYERS = 2  # mode="fsdp": residual tanh blocks between the regression's two layers
+MODEL_SPECS = {"w1": P(None, "model"), "b1": P("model"), "w2": P("model", None), "b2": P()}
 
 
 def init_params(hidden: int) -> dict[str, np.ndarray]:
@@ -73,14 +75,25 @@ def batch(step: int, mesh: Mesh) -> jax.Array:
                                       lambda idx: full[idx])
 
 
+def mesh_of(model: int) -> Mesh:
+  """Every device as (data=N), or as (data=N/model, model=model) for model > 1."""
+  if model <= 1:
+    return parallel.data_mesh()
+  return jax.make_mesh((jax.device_count() // model, model), ("data", "model"),
+                       axis_types=(AxisType.Auto,) * 2)
+
+
 def build(mode: str, hidden: int, mesh: Mesh) -> tuple[parallel.TrainState, Callable, dict]:
-  """(fresh state, train step, checkpoint config) of the run: adam, LoCo as the compressor.
+  """(fresh state, train step, checkpoint config) of the run: adam, LoCo as the compressor; on
+  a mesh with a "model" axis the params split as MODEL_SPECS says.
 
   Example:
     >>> state, step, config = build("zero2", 64, parallel.data_mesh(8))
   """
   sharded = mode in ("zero2", "fsdp")
   params = layered_params(hidden) if mode == "fsdp" else init_params(hidden)
+  if "model" in mesh.axis_names:
+    params = jax.device_put(params, {k: NamedSharding(mesh, s) for k, s in MODEL_SPECS.items()})
   optimizer = optax.adam(1e-2)
   compressor = loco(axis_name="data", scatter=sharded)
   state, specs = parallel.init_train_state(params, optimizer, mesh, compressor=compressor,
@@ -108,6 +121,7 @@ def _args() -> argparse.Namespace:
   p.add_argument("--num-processes", type=int, default=1)
   p.add_argument("--port", type=int, default=0)
   p.add_argument("--devices-per-process", type=int, default=8)
+  p.add_argument("--model", type=int, default=1, help="devices of the 'model' axis (1: none)")
   p.add_argument("--elastic", action="store_true",
                  help="resume from a checkpoint of another device count too")
   p.add_argument("--heartbeat-timeout", type=int, default=100,
@@ -124,7 +138,7 @@ def main() -> None:
     parallel.initialize(f"127.0.0.1:{args.port}", args.num_processes, args.process_id,
                         initialization_timeout=60,
                         heartbeat_timeout_seconds=args.heartbeat_timeout)
-  mesh = parallel.data_mesh()
+  mesh = mesh_of(args.model)
   state, step_fn, config = build(args.mode, args.hidden, mesh)
   done = 0
   if args.ckpt_dir is not None and checkpoint.latest_step(args.ckpt_dir) is not None:

@@ -12,9 +12,10 @@ Checkpoints from disk are not trusted: `restore` and `metadata` check every file
 marker and raise a ValueError naming the path and what is wrong. A restore also needs the same
 config, device count, mesh and tree, else a ValueError names each difference, e.g. "mesh:
 checkpoint (data=4, model=2), now (data=8)". With `reshard=True` a mesh whose data axes have
-other sizes is accepted: the state is re-laid for it (train/reshard.py: master shards re-cut,
-per-device errors merged) and the result says how. Put `train_layout(mesh, params, mode=...)`
-in the config to check what the arrays cannot show. Format 2 checkpoints (no mesh record)
+other sizes, or whose model axes have another shape, is accepted: the state is re-laid for it
+(train/reshard.py: master shards re-cut, per-device errors merged) and the result says how.
+Put `train_layout(mesh, params, mode=...)` in the config to check what the arrays cannot show;
+a change of the model axes needs it. Format 2 checkpoints (no mesh record)
 restore on one device only. Multi-host: every process calls `save` and `restore` alike, on a
 shared directory; process 0 writes the marker.
 """
@@ -31,8 +32,10 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from loco_jax.train import checkpoint_record, checkpoint_steps, reshard as reshard_lib
+from loco_jax.train import checkpoint_record, checkpoint_steps, mesh_change
+from loco_jax.train import reshard as reshard_lib
 from loco_jax.train.checkpoint_record import train_layout
+from loco_jax.train.model_blocks import ModelBlocks, model_blocks
 from loco_jax.train.reshard import Restored
 from loco_jax.train.checkpoint_steps import COMMIT, FORMAT, META_FILE
 
@@ -232,12 +235,26 @@ def _read(path: Path, entry: Path, step: int, abstract: Any) -> Any:
                        f"({type(e).__name__}: {e})") from e
 
 
-def _relaid(path: Path, entry: Path, step: int, saved: dict, data: tuple[str, ...],
-            state_like: Any) -> Restored:
-  """The checkpoint read with its own shapes onto one device of this process, re-laid for the
-  mesh of `state_like` over the `data` axes (train/reshard.py)."""
+def _blocks(saved: dict, now: dict, state_like: Any, entry: Path) -> ModelBlocks:
+  """The params' model blocks in the checkpoint and now (train/model_blocks.py)."""
+  if not hasattr(state_like, "params"):
+    raise ValueError(f"checkpoint {entry} cannot be re-laid for other model axes: the state to "
+                     f"restore into is a {type(state_like).__name__}, not a train state with "
+                     f"params (parallel.init_train_state's)")
   try:
-    paths = reshard_lib.saved_paths(state_like, saved["mesh"], data)
+    return model_blocks(saved["config"], now["config"], saved["mesh"], now["mesh"],
+                        state_like.params)
+  except ValueError as e:
+    raise ValueError(f"checkpoint {entry} cannot be re-laid for this mesh: {e}") from None
+
+
+def _relaid(path: Path, entry: Path, step: int, saved: dict, data: tuple[str, ...],
+            state_like: Any, blocks: ModelBlocks | None) -> Restored:
+  """The checkpoint read with its own shapes onto one device of this process, re-laid for the
+  mesh of `state_like` over the `data` axes and, with `blocks`, the model axes
+  (train/reshard.py)."""
+  try:
+    paths = reshard_lib.saved_paths(state_like, saved["mesh"], data, blocks)
   except ValueError as e:
     raise ValueError(f"checkpoint {entry} cannot be re-laid for this mesh: {e}") from None
   tree, listed = saved["tree"], jax.tree.leaves(paths)
@@ -261,7 +278,7 @@ def _relaid(path: Path, entry: Path, step: int, saved: dict, data: tuple[str, ..
   specs = jax.tree.map(lambda k: checkpoint_record.spec_of(tree[k][2]), paths)
   old = jax.device_get(_read(path, entry, step, abstract))
   try:
-    state, resharded = reshard_lib.relay(old, state_like, saved["mesh"], data, specs)
+    state, resharded = reshard_lib.relay(old, state_like, saved["mesh"], data, specs, blocks)
   except ValueError as e:
     raise ValueError(f"checkpoint {entry} cannot be re-laid for this mesh: {e}") from None
   return Restored(state, step, resharded)
@@ -277,10 +294,12 @@ def restore(directory: str | os.PathLike, state_like: Any, config: dict,
   shardings): the result has its tree, dtypes and shardings. A ValueError lists every
   difference of files, config, devices, mesh or tree, and nothing is read. Returns (state, step).
 
-  `reshard=True` also accepts a mesh whose data axes have other sizes, the model, mode and
-  transformations the same (train/reshard.py says how each leaf is re-laid; LoCo's errors are
-  averaged over the old devices). `mesh_keys`: the config keys that describe the mesh and may
-  then differ (e.g. "devices"). Returns `Restored(state, step, resharded)`, where `resharded`
+  `reshard=True` also accepts a mesh whose data axes have other sizes or whose model axes have
+  another shape (a model axis may come or go), the model, mode and transformations the same
+  (train/reshard.py says how each leaf is re-laid; LoCo's errors are averaged over the old
+  devices). A change of the model axes needs `train_layout` in both configs; its model axes
+  and param splits may then differ. `mesh_keys`: the config keys that describe the mesh and
+  may then differ (e.g. "devices"). Returns `Restored(state, step, resharded)`, where `resharded`
   says how, or is None on the same mesh (restored as saved, bit for bit).
 
   Example:
@@ -311,20 +330,24 @@ def restore(directory: str | os.PathLike, state_like: Any, config: dict,
                      f"back scrambled, so this version does not restore it; start a new "
                      f"checkpoint directory")
   relaid = reshard and saved["format"] > 2 and saved["mesh"] != now["mesh"]
-  data, differences = (), []
+  data, model, differences = (), False, []
   if relaid:
     try:
-      data = reshard_lib.data_axes(saved["mesh"], now["mesh"], now["config"])
+      data = mesh_change.data_axes(saved["mesh"], now["mesh"], now["config"])
+      model = mesh_change.model_changed(saved["mesh"], now["mesh"], data)
     except ValueError as e:
       differences.append(str(e))
+  keys = tuple(mesh_keys) + (mesh_change.model_keys(now["config"]) if model else ())
   differences = checkpoint_record.differences(
-      saved, now, tuple(mesh_keys) if relaid else None, data) + differences
+      saved, now, keys if relaid else None, data, model) + differences
   if differences:
-    hint = ("" if reshard else " (or, where only the data axes' sizes differ, reshard=True)")
+    hint = ("" if reshard else " (or, where only the data axes' sizes or the model axes' "
+            "shape differ, reshard=True)")
     raise ValueError(f"checkpoint {entry} does not match this run: " + "; ".join(differences)
                      + f". Restore with the config, mesh and state it was saved with{hint}, or "
                      "start a new directory.")
   if relaid:
-    return _relaid(path, entry, step, saved, data, state_like)
+    return _relaid(path, entry, step, saved, data, state_like,
+                   _blocks(saved, now, state_like, entry) if model else None)
   state = _read(path, entry, step, jax.tree.map(ocp.utils.to_shape_dtype_struct, state_like))
   return Restored(state, step, None) if reshard else (state, step)

@@ -12,6 +12,7 @@ import json
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -197,15 +198,24 @@ def _counted(items: list[str]) -> list[str]:
   return items[:_MAX_LISTED] + ([f"(and {more} more)"] if more > 0 else [])
 
 
+def _without_groups(layout: Any) -> Any:
+  """A recorded transformation layout without its groups of leaves, which follow the model
+  axes."""
+  if not isinstance(layout, list):
+    return layout
+  return [e for e in layout if not (isinstance(e, list) and e[:1] == ["groups"])]
+
+
 def differences(saved: dict, now: dict, mesh_keys: tuple[str, ...] | None = None,
-                data: tuple[str, ...] = ()) -> list[str]:
+                data: tuple[str, ...] = (), model: bool = False) -> list[str]:
   """'what: checkpoint A, now B' for every config key (nested keys joined by '.'), the device
   count, the mesh, and the tree: each leaf's shape, dtype and, on the same mesh, spec.
 
   `mesh_keys`: a restore re-laid for another mesh (`reshard`): these config keys describe the
   mesh and may differ; the device counts, meshes, leaves and the shapes of leaves split over
   the `data` axes are left to the re-laying; the dtypes and specs of the leaves both trees have
-  and the shapes of the others are compared."""
+  and the shapes of the others are compared. `model`: the model axes change shape too; the
+  specs are compared over the data axes only, the layouts without their groups of leaves."""
   relaid = mesh_keys is not None
   out = _counted(_config_differences(saved["config"], now["config"], "", mesh_keys or ()))
   if saved["device count"] != now["device count"] and not relaid:
@@ -215,6 +225,8 @@ def differences(saved: dict, now: dict, mesh_keys: tuple[str, ...] | None = None
     out.append(f"mesh: checkpoint {mesh_text(saved['mesh'])}, now {mesh_text(now['mesh'])}")
   if "layouts" in saved:  # from this version on
     old, new = saved["layouts"], now["layouts"]
+    if model:
+      old, new = ({k: _without_groups(v) for k, v in x.items()} for x in (old, new))
     out += _counted([f"layout of {k}: checkpoint {old.get(k, '<absent>')}, now "
                      f"{new.get(k, '<absent>')}" for k in sorted(set(old) | set(new))
                      if old.get(k) != new.get(k)])
@@ -223,7 +235,7 @@ def differences(saved: dict, now: dict, mesh_keys: tuple[str, ...] | None = None
   tree += [] if relaid else [f"{k} only now" for k in new_tree if k not in old_tree]
   # jax leaves axes of size 1 out of a spec: another mesh may have other such axes.
   ones = {a for mesh in (saved.get("mesh"), now["mesh"]) if relaid and mesh
-          for a, size in mesh if size == 1}
+          for a, size in mesh if size == 1 or model and a not in data}
   for k in (k for k in old_tree if k in new_tree):
     (old_shape, old_dtype, *old_spec), (shape, dtype, spec) = old_tree[k], new_tree[k]
     on_data = relaid and any(a in data for e in (old_spec[0] if old_spec else None, spec)
@@ -243,14 +255,18 @@ def differences(saved: dict, now: dict, mesh_keys: tuple[str, ...] | None = None
 
 def train_layout(mesh: Mesh, params: Any, *, mode: str, axis_name: AxisNames = "data") -> dict:
   """What a train state's arrays do not show, as JSON for its checkpoint's config: the mode,
-  the data and model axes, and each param's split over the model axes (its PartitionSpec).
+  the data and model axes, each param's split over the model axes (its PartitionSpec) and its
+  shape (zero2's master shards are flat), which re-lay a state for other model axes.
 
   The arguments are those of `parallel.init_train_state`. Put the result in the config of
   `checkpoint.save` and `checkpoint.restore`, which then refuse a run laid out otherwise.
 
   Example:
-    >>> train_layout(parallel.data_mesh(), params, mode="zero2")
-    {'mode': 'zero2', 'data axes': ['data'], 'model axes': [], 'params': {"['b']": [], "['w']": []}}
+    >>> layout = train_layout(parallel.data_mesh(), params, mode="zero2")
+    >>> layout["mode"], layout["data axes"], layout["model axes"], layout["params"]
+    ('zero2', ['data'], [], {"['b']": [], "['w']": []})
+    >>> layout["shapes"]
+    {"['b']": [8], "['w']": [4, 8]}
   """
   if mode not in parallel.MODES:
     raise ValueError(f"mode must be one of {parallel.MODES}, got {mode!r}")
@@ -259,4 +275,6 @@ def train_layout(mesh: Mesh, params: Any, *, mode: str, axis_name: AxisNames = "
   leaves = jax.tree_util.tree_leaves_with_path(specs, is_leaf=lambda x: isinstance(x, P))
   return {"mode": mode, "data axes": list(data),
           "model axes": list(model_axes(mesh, data)),
-          "params": {jax.tree_util.keystr(path): spec_record(s) for path, s in leaves}}
+          "params": {jax.tree_util.keystr(path): spec_record(s) for path, s in leaves},
+          "shapes": {jax.tree_util.keystr(path): list(np.shape(x)) for path, x in
+                     jax.tree_util.tree_leaves_with_path(params)}}

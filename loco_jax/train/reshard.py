@@ -1,10 +1,10 @@
 """Elastic resume: a state checkpointed on one mesh, re-laid for a mesh whose data axes have other
-sizes (`checkpoint.restore(..., reshard=True)`).
+sizes, or whose model axes have another shape (`checkpoint.restore(..., reshard=True)`).
 
 Each leaf is converted by what it holds, read from the state's types and specs:
 
 - Split over no data axis (ddp's and DiLoCo's params, adamw's moments there, counters): a
-  global array, the same on any mesh; restored as it is.
+  global array, the same on any mesh; restored as it is, placed with the new model split.
 - A per-device field of a transformation's state (`transforms.specs`): merged by its type's
   merge (`transforms.merge`): LoCo's errors decoded, averaged and re-encoded, and so on.
 - DiLoCo's workers and their inner optimizer states, stacked over the data axes: every new
@@ -15,7 +15,11 @@ Each leaf is converted by what it holds, read from the state's types and specs:
   the data axes): each leaf's rows joined (per model block) and cut again for the new devices,
   exactly.
 
-The model axes keep their sizes: a leaf's blocks over them are re-laid each on its own.
+Where the model axes keep their shape, a leaf's blocks over them are re-laid each on its own.
+Where they change (`model_blocks`: from the train_layout in both configs), a master shard's
+blocks are joined into the whole param and cut again, exactly; a per-device state is merged
+over the data axes block by block, by param leaf (`merge.Reblock`), each param's merged
+blocks joined and cut again, and the new devices' states made from them.
 """
 
 import math
@@ -27,12 +31,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from loco_jax.core.local_blocks import entry_axes
-from loco_jax.train.diloco import DilocoState
+from loco_jax.train import model_blocks
+from loco_jax.train.checkpoint_record import mesh_text
+from loco_jax.train.diloco import DilocoState, fragment_leaves
+from loco_jax.train.mesh_change import model_changed
+from loco_jax.train.model_blocks import ModelBlocks
 from loco_jax.transforms import merge as merges
 from loco_jax.transforms.specs import per_device_fields
-
-_LAYOUT_KEYS = {"mode", "data axes", "model axes", "params"}
-
 
 class Resharded(NamedTuple):
   """How a restore re-laid a state saved on another mesh: the meshes, and per kind of leaf
@@ -61,48 +66,6 @@ class _Meshes(NamedTuple):
 
   def sizes(self, axes: tuple[str, ...]) -> tuple[int, int]:
     return (math.prod(self.old[a] for a in axes), math.prod(self.new[a] for a in axes))
-
-
-def _text(mesh: list) -> str:
-  return "(" + ", ".join(f"{name}={size}" for name, size in mesh) + ")"
-
-
-def _train_layout(config: dict) -> dict | None:
-  """The `checkpoint.train_layout` in `config` (the config itself or one of its values)."""
-  for value in (config, *config.values()):
-    if isinstance(value, dict) and _LAYOUT_KEYS <= set(value):
-      return value
-  return None
-
-
-def data_axes(saved: list, now: list, config: dict) -> tuple[str, ...]:
-  """The data axes of a restore from mesh `saved` onto mesh `now` ([[axis, size], ...], as a
-  checkpoint records them): the train_layout's in `config`, else the axes whose sizes differ.
-  A ValueError naming both meshes unless only the data axes' sizes differ.
-
-  Example:
-    >>> data_axes([["data", 8]], [["data", 4]], {})
-    ('data',)
-  """
-  both = f"checkpoint {_text(saved) if saved else 'no mesh'}, now {_text(now) if now else 'no mesh'}"
-  if not saved or not now or [a for a, _ in saved] != [a for a, _ in now]:
-    raise ValueError(f"mesh: {both}: a state re-laid for another mesh keeps its axes (names "
-                     f"and order) and changes the data axes' sizes only")
-  old, new = dict(saved), dict(now)
-  layout = _train_layout(config)
-  if layout is not None:
-    data = tuple(layout["data axes"])
-  else:
-    data = tuple(a for a in old if old[a] != new[a])
-    if len(data) < len(old):
-      raise ValueError(f"mesh: {both}: which axes are data axes? Put "
-                       f"checkpoint.train_layout(mesh, params, mode=...) in the config")
-  changed = [f"{a}: checkpoint {old[a]}, now {new[a]}" for a in old
-             if a not in data and old[a] != new[a]]
-  if changed:
-    raise ValueError(f"mesh: {both}: only the data axes {data} may change size, not the model "
-                     f"axes ({'; '.join(changed)})")
-  return data
 
 
 def _spec(like: Any) -> P:
@@ -269,51 +232,100 @@ def _merged(state: Any, specs: Any, like: Any, meshes: _Meshes, where: str) -> A
   return like_treedef.unflatten([o.reshape(l.shape) for o, l in zip(outs, likes)])
 
 
-def _relay(state: Any, specs: Any, like: Any, meshes: _Meshes, where: str, notes: dict) -> Any:
+_NEW_BLOCKS = ("per model block, by leaf: each param's blocks joined and cut again for the new "
+               "model axes")
+
+
+def _relay(state: Any, specs: Any, like: Any, meshes: _Meshes, where: str, notes: dict,
+           blocks: ModelBlocks | None, param: int | None = None) -> Any:
   """`state` (numpy, the checkpoint's shapes; `specs` its specs) re-laid as `like` says;
-  `notes` collects how."""
+  `notes` collects how. `blocks`: the params' model blocks where the model axes change shape
+  (None where they keep it); `param`: the param a leaf of a tree like the params belongs to."""
   if _splits_data(like, meshes, where):
-    notes.setdefault(f"{type(like).__name__} ({where or 'the state'})",
-                     merges.merge_of(like).how)
+    what = f"{type(like).__name__} ({where or 'the state'})"
+    if blocks is not None:
+      notes.setdefault(what, merges.merge_of(like).how + "; " + _NEW_BLOCKS)
+      return model_blocks.reblocked(state, specs, like, blocks, meshes.data, where)
+    notes.setdefault(what, merges.merge_of(like).how)
     return _merged(state, specs, like, meshes, where)
   if isinstance(like, DilocoState):
-    notes.setdefault("DiLoCo's workers and inner optimizer states",
-                     "every new worker from the mean of the old ones: the pseudo-gradient the "
-                     "next sync averages is kept")
-    stacked = {f: jax.tree.map(lambda x, l: _per_worker(np.asarray(x), l, meshes, where),
-                               getattr(state, f), getattr(like, f))
-               for f in ("workers", "opt_state")}
-    rest = {f: _relay(getattr(state, f), getattr(specs, f), getattr(like, f), meshes,
-                      f"{where}.{f}", notes) for f in like._fields if f not in stacked}
-    return DilocoState(**stacked, **rest)
+    return _diloco(state, specs, like, meshes, where, notes, blocks)
   if _is_array(like):
     split = _split(specs, meshes.old, meshes, where)
     if split is None:
       return _same_shape(np.asarray(state), like, where)
-    notes["master shards"] = "rows joined and cut again for the new devices, exactly"
-    return _rows(np.asarray(state), split, like, meshes, where)
+    if blocks is None:
+      notes["master shards"] = "rows joined and cut again for the new devices, exactly"
+      return _rows(np.asarray(state), split, like, meshes, where)
+    if param is None:
+      raise ValueError(f"{where}: split over the data axes, but not a param's master shard: "
+                       f"it cannot be re-laid for other model axes")
+    notes["master shards"] = ("rows joined, each param's model blocks joined and cut again "
+                              "for the new model axes and devices, exactly")
+    return _same_shape(model_blocks.recut_rows(
+        np.asarray(state), (blocks.old[param], blocks.new[param]), meshes.sizes(meshes.data),
+        where), like, where)
   children, paths, treedef = _children(like)
   old, old_specs = treedef.flatten_up_to(state), treedef.flatten_up_to(specs)
-  return treedef.unflatten([_relay(x, s, l, meshes, where + p, notes)
-                            for x, s, l, p in zip(old, old_specs, children, paths)])
+  like_params = blocks is not None and treedef == blocks.treedef
+  return treedef.unflatten([
+      _relay(x, s, l, meshes, where + p, notes, blocks, i if like_params else param)
+      for i, (x, s, l, p) in enumerate(zip(old, old_specs, children, paths))])
 
 
-def _paths(like: Any, meshes: _Meshes, where: str) -> Any:
+def _diloco(state: DilocoState, specs: DilocoState, like: DilocoState, meshes: _Meshes,
+            where: str, notes: dict, blocks: ModelBlocks | None) -> DilocoState:
+  """DiLoCo's workers and their optimizer states from their mean; each fragment's compressor
+  state with its own params' blocks."""
+  notes.setdefault("DiLoCo's workers and inner optimizer states",
+                   "every new worker from the mean of the old ones: the pseudo-gradient the "
+                   "next sync averages is kept")
+  stacked = {f: jax.tree.map(lambda x, l: _per_worker(np.asarray(x), l, meshes, where),
+                             getattr(state, f), getattr(like, f))
+             for f in ("workers", "opt_state")}
+  parts = [None] * len(like.compressor_state) if blocks is None else _fragments(like, blocks)
+  compressors = tuple(_relay(x, s, l, meshes, f"{where}.compressor_state[{f}]", notes, b)
+                      for f, (x, s, l, b) in enumerate(zip(state.compressor_state,
+                                                           specs.compressor_state,
+                                                           like.compressor_state, parts)))
+  rest = {f: _relay(getattr(state, f), getattr(specs, f), getattr(like, f), meshes,
+                    f"{where}.{f}", notes, blocks) for f in ("params", "outer_state", "step")}
+  return DilocoState(**stacked, compressor_state=compressors, **rest)
+
+
+def _paths(like: Any, meshes: _Meshes, where: str, blocks: ModelBlocks | None) -> Any:
   """`like`'s tree with each leaf's key path, each registered state laid out as it is on the
-  old devices (`transforms.merge`'s layouts: LoCo's buckets depend on the device count)."""
+  old devices (`transforms.merge`'s layouts: LoCo's buckets depend on the device count and,
+  with `blocks`, on the params' old model blocks)."""
   if _splits_data(like, meshes, where):
-    old = merges.merge_of(like).layout(_one_device(like, meshes, where)[0], _devices(meshes))
+    one = (_one_device(like, meshes, where)[0] if blocks is None else
+           model_blocks.old_device(like, blocks, where))
+    old = merges.merge_of(like).layout(one, _devices(meshes))
     return jax.tree_util.tree_map_with_path(lambda p, _: where + jax.tree_util.keystr(p), old)
   if _is_array(like):
     return where
+  if isinstance(like, DilocoState) and blocks is not None:
+    return like._replace(compressor_state=tuple(
+        _paths(c, meshes, f"{where}.compressor_state[{f}]", b)
+        for f, (c, b) in enumerate(zip(like.compressor_state, _fragments(like, blocks)))),
+        **{f: _paths(getattr(like, f), meshes, f"{where}.{f}", None)
+           for f in like._fields if f != "compressor_state"})
   children, paths, treedef = _children(like)
-  return treedef.unflatten([_paths(c, meshes, where + p) for c, p in zip(children, paths)])
+  return treedef.unflatten([_paths(c, meshes, where + p, blocks) for c, p in zip(children, paths)])
 
 
-def saved_paths(like: Any, saved_mesh: list, data: tuple[str, ...]) -> Any:
+def _fragments(like: DilocoState, blocks: ModelBlocks) -> list[ModelBlocks]:
+  """The model blocks of each DiLoCo fragment's params (its compressor state's)."""
+  return [blocks.select(part)
+          for part in fragment_leaves(like.params, len(like.compressor_state))]
+
+
+def saved_paths(like: Any, saved_mesh: list, data: tuple[str, ...],
+                blocks: ModelBlocks | None = None) -> Any:
   """The tree of the state a checkpoint of this run holds on mesh `saved_mesh`, each leaf its
   key path there (as `checkpoint_record` records it): `like`'s, but for the per-device
-  states whose layout depends on the device count (LoCo's buckets).
+  states whose layout depends on the device count (LoCo's buckets) or, where the model axes
+  change shape (`blocks`), on the params' model blocks.
 
   Example:
     >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("data",))
@@ -321,7 +333,14 @@ def saved_paths(like: Any, saved_mesh: list, data: tuple[str, ...]) -> Any:
     >>> saved_paths(like, [["data", 8]], ("data",))
     {'w': "['w']"}
   """
-  return _paths(like, _Meshes(tuple(data), dict(saved_mesh), dict(_mesh_of(like).shape)), "")
+  return _paths(like, _meshes(data, saved_mesh, _mesh_of(like)), "", blocks)
+
+
+def _meshes(data: tuple[str, ...], saved_mesh: list, mesh: Any) -> _Meshes:
+  """Both meshes' sizes over the axes of either (an axis a mesh lacks: size 1)."""
+  old, new = dict(saved_mesh), dict(mesh.shape)
+  axes = list(dict.fromkeys([*old, *new]))
+  return _Meshes(tuple(data), {a: old.get(a, 1) for a in axes}, {a: new.get(a, 1) for a in axes})
 
 
 def _mesh_of(like: Any) -> Any:
@@ -334,12 +353,13 @@ def _mesh_of(like: Any) -> Any:
 
 
 def relay(state: Any, like: Any, saved_mesh: list, data: tuple[str, ...],
-          specs: Any = None) -> tuple[Any, Resharded]:
+          specs: Any = None, blocks: ModelBlocks | None = None) -> tuple[Any, Resharded]:
   """`state` as the checkpoint holds it (its leaves' shapes and specs, `saved_paths`' tree,
   readable on this host) re-laid as `like` (a state on the new mesh, or its ShapeDtypeStructs)
   says: its arrays placed with `like`'s shardings, and the record of what was done. `specs`:
   the checkpoint's PartitionSpecs of `state`'s leaves (default: `like`'s, where the trees are
-  alike).
+  alike). `blocks`: the params' model blocks before and now (`model_blocks.model_blocks`),
+  needed where the model axes change shape.
 
   Example:
     >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("data",))
@@ -352,11 +372,15 @@ def relay(state: Any, like: Any, saved_mesh: list, data: tuple[str, ...],
     ('master shards: rows joined and cut again for the new devices, exactly',)
   """
   mesh = _mesh_of(like)
-  meshes = _Meshes(tuple(data), dict(saved_mesh), dict(mesh.shape))
+  meshes = _meshes(data, saved_mesh, mesh)
+  if model_changed(saved_mesh, list(mesh.shape.items()), data) and blocks is None:
+    raise ValueError(f"reshard: the model axes change shape ({mesh_text(saved_mesh)} to "
+                     f"{mesh_text(list(mesh.shape.items()))}): pass the params' blocks, "
+                     f"blocks=model_blocks.model_blocks(...)")
   if specs is None:
     specs = jax.tree.map(_spec, like)
   notes: dict[str, str] = {}
-  relaid = _relay(state, specs, like, meshes, "", notes)
+  relaid = _relay(state, specs, like, meshes, "", notes, blocks)
 
   def place(x, l):
     sharding = getattr(l, "sharding", None)
@@ -364,6 +388,6 @@ def relay(state: Any, like: Any, saved_mesh: list, data: tuple[str, ...],
     return x if sharding is None else jax.make_array_from_callback(
         x.shape, sharding, lambda index: x[index])
   placed = jax.tree.map(place, relaid, like)
-  record = Resharded(_text(saved_mesh), _text(list(mesh.shape.items())), tuple(data),
+  record = Resharded(mesh_text(saved_mesh), mesh_text(list(mesh.shape.items())), tuple(data),
                      tuple(f"{what}: {how}" for what, how in notes.items()))
   return placed, record

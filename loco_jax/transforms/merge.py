@@ -14,17 +14,28 @@ devices' states into the m new devices':
   averaged over the nodes first), cut again into the new devices' shards.
 - Statistics (co3's scales and coded bits) are averaged; replicated fields (step counters,
   ef21's estimate) are carried over as they are.
+
+Onto a mesh whose model axes have another shape, a type's `Reblock` splits the merge in two:
+`merged` gives, for the devices that hold one model block, each param's merged values of that
+block (`ByLeaf`); train/model_blocks.py joins each param's blocks and cuts them again; `states`
+encodes the new blocks for the new devices. The same mean is kept, param element by element:
+(1/m) sum_j e'_j = (1/n) sum_i e_i for each element of each whole param, up to the int8
+re-encoding in the new buckets. Statistics are averaged over the old blocks as well. two_hop
+has no Reblock: it is re-laid for other data sizes only.
 """
 
 import math
 from typing import Any, Callable, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from loco_jax.core import buckets, layout, quant
+from loco_jax.core import layout
 from loco_jax.core.leaves import ByGroup
+from loco_jax.core.trees import TreeSignature
+from loco_jax.transforms.bucket_errors import (Storage, as_stored, check_buckets,
+                                               encoded, group_plan, mean_error,
+                                               shard_error, storage_of)
 from loco_jax.transforms.baselines import EF21State, ErrorFeedbackState
 from loco_jax.transforms.bucket_step import group_shapes
 from loco_jax.transforms.co3 import Co3State
@@ -49,11 +60,29 @@ Merge = Callable[[list, Any, Devices], list]
 Layout = Callable[[Any, Devices], Any]
 
 
+class ByLeaf(NamedTuple):
+  """A state merged over the devices of the data axes that hold one model block, by param leaf:
+  what a change of the model axes joins into whole params and cuts again (train/reshard.py)."""
+  leaves: dict       # field -> per param leaf: float32 values of this block, flat (None: not held)
+  rest: Any          # the state's other per-device fields merged (counters, statistics)
+
+
+class Reblock(NamedTuple):
+  """How a state type goes to a mesh of another shape over the model axes, block by block."""
+  merged: Callable[[list, Any, Devices], ByLeaf]   # n old devices' states, one old device's
+                                                   # state (shapes) -> by leaf
+  states: Callable[[ByLeaf, Any, Devices], list]   # by leaf of one new block, one new device's
+                                                   # state (shapes) -> the m new devices'
+  old_like: Callable[[Any, list, list], Any]       # one new device's state, each param's block
+                                                   # shape and model axes before -> an old one's
+
+
 class Registered(NamedTuple):
   """How a state type's per-device fields go to another device count."""
   merge: Merge       # (n old devices' states, one new device's state (shapes), devices) -> m
   how: str           # what the merge does and preserves, for the restore's record
   layout: Layout     # (one new device's state, devices) -> one old device's (shapes)
+  reblock: Reblock | None = None   # for another shape over the model axes; None: not re-laid
 
 
 def mean(arrays: list) -> np.ndarray:
@@ -77,128 +106,70 @@ def _tree_mean(trees: list) -> Any:
 
 # --- LoCo's buckets ------------------------------------------------------------------------------
 
-class _Storage(NamedTuple):
-  """How LoCo laid its error out (`loco_state.bucket_layout`, the signature's layout)."""
-  block_size: int
-  axes: tuple[str, ...]
-  groups: tuple            # ((group key, its leaves' indices), ...)
-  error_bits: int
-  error_scale: float | None
-
-
-def _storage(signature: Any, name: str) -> _Storage:
-  found = dict(getattr(signature, "layout", ()) or ())
-  if set(found) != set(_Storage._fields):
-    raise ValueError(f"{name}: the state does not say how its buckets are laid out (no "
-                     f"bucket layout in its signature): make the state to restore into with "
-                     f"this version's {name}(...).init")
-  return _Storage(**found)
-
-
-def _plan(signature: Any, indices: tuple, rows: int, storage: _Storage,
-          sizes: Callable[[int], int] = lambda size: size) -> buckets.Plan:
-  """The group's bucket layout over `rows` devices (`sizes`: a leaf's elements -> those sent)."""
-  return buckets.plan(tuple(sizes(math.prod(shape)) if i in indices else 0
-                            for i, shape in enumerate(signature.shapes)),
-                      rows, storage.block_size)
-
-
-def _values(codes: list, scales: list | None, plan: buckets.Plan, rows: int,
-            storage: _Storage) -> list[np.ndarray]:
-  """int8 buckets of `rows` rows and their block scales -> float32 [rows, blocks, len] each."""
-  out = []
-  for c, (b, n) in enumerate(zip(plan.blocks, plan.block_lens)):
-    q = np.asarray(codes[c]).reshape(rows, b, n)
-    s = (np.full((rows, b), storage.error_scale, np.float32) if scales is None
-         else np.asarray(scales[c], np.float32).reshape(rows, b))
-    out.append(np.asarray(quant.decompress(jnp.asarray(q), jnp.asarray(s)[..., None])))
-  return out
-
-
-def _per_leaf(values: list, plan: buckets.Plan) -> list:
-  """Buckets [rows, blocks, len] -> each leaf's flat values (None: not in the plan)."""
-  firsts = [[q.block0 for q in leaf.pieces] if leaf else None for leaf in plan.leaves]
-  return [None if x is None else np.asarray(x)
-          for x in buckets.from_buckets([jnp.asarray(v) for v in values], plan, firsts)]
-
-
-def _codes(per_leaf: list, plan: buckets.Plan, storage: _Storage) -> tuple[list, list | None]:
-  """Each leaf's flat float values -> int8 buckets [rows, blocks, len] and block scales
-  [rows, blocks] (None with a fixed error scale), as LoCo's step stores its error."""
-  values = buckets.to_buckets([None if x is None else jnp.asarray(x, jnp.float32)
-                               for x in per_leaf], plan)
-  codes, scales = [], []
-  for x in values:
-    s = (quant.absmax_scale(x, storage.error_bits) if storage.error_scale is None
-         else jnp.full(x.shape[:-1], storage.error_scale, jnp.float32))
-    codes.append(np.asarray(quant.compress(x, s[..., None], storage.error_bits)))
-    scales.append(np.asarray(s))
-  return codes, None if storage.error_scale is not None else scales
-
-
-def _check_buckets(name: str, codes: tuple, plan: buckets.Plan, rows: int, key: str) -> None:
-  have = [tuple(np.shape(c)) for c in codes]
-  want = [(rows * b * n,) for b, n in zip(plan.blocks, plan.block_lens)]
-  if have != want:
-    raise ValueError(f"{name}: the checkpoint's error buckets of group {key!r} have shapes "
-                     f"{have}, but this {name} (block size {plan.block_lens[:1]}) over "
-                     f"{plan.rows} devices needs {want}: the state of another model or "
-                     f"transformation")
-
-
-def _mean_error(errors: list, plan: buckets.Plan, rows: int, storage: _Storage) -> list:
-  """Devices' (codes, scales) of their whole error -> its mean per leaf (float64 -> float32)."""
-  leaves = [_per_leaf(_values(c, s, plan, rows, storage), plan) for c, s in errors]
-  return [None if x is None else np.mean(np.stack(
-      [np.asarray(d[i], np.float64) for d in leaves]), axis=0).astype(np.float32)
-          for i, x in enumerate(leaves[0])]
-
-
-def _shard_error(rows: list, plan: buckets.Plan, storage: _Storage) -> list:
-  """Each row's device's (codes [blocks * len], scales [blocks]) of its shard's error -> one
-  error per leaf of the whole of it (row r: the shard device r averages)."""
-  codes = [np.stack([np.asarray(r[0][c]) for r in rows]) for c in range(len(plan.blocks))]
-  scales = (None if rows[0][1] is None else
-            [np.stack([np.asarray(r[1][c]) for r in rows]) for c in range(len(plan.blocks))])
-  return _per_leaf(_values(codes, scales, plan, len(rows), storage), plan)
-
-
-def _flat(codes: list, scales: list | None, row: int | None = None) -> tuple:
-  """Buckets (all rows, or one) as the state stores them: flat arrays, one per bucket."""
-  take = (lambda x: x.reshape(-1)) if row is None else (lambda x: x[row].reshape(-1))
-  return tuple(map(take, codes)), None if scales is None else tuple(map(take, scales))
-
-
 def _loco_layout(like: LocoState, devices: Devices) -> LocoState:
   """One device's LoCo state over the old devices: its buckets depend on their count."""
-  storage, n = _storage(like.signature, "loco"), math.prod(devices.old)
+  storage, n = storage_of(like.signature, "loco"), math.prod(devices.old)
+  quantized = any(g.gather_error is not None for g in like.groups.values())
   return like._replace(groups=ByGroup({key: group_shapes(
-      _plan(like.signature, indices, n, storage), storage.error_scale is None,
-      like.groups[key].gather_error is not None) for key, indices in storage.groups}))
+      group_plan(like.signature, indices, n, storage), storage.error_scale is None, quantized)
+      for key, indices in storage.groups}))
 
 
-def _merge_loco(states: list, like: LocoState, devices: Devices) -> list:
-  storage = _storage(like.signature, "loco")
+def _loco_merged(states: list, like: LocoState, devices: Devices) -> ByLeaf:
+  """The old devices' errors decoded per leaf and averaged; a quantized gather's shard errors
+  joined into one error of each whole leaf."""
+  storage = storage_of(like.signature, "loco")
   if tuple(storage.axes) != devices.axes:
     raise ValueError(f"loco: its state is split over {devices.axes}, but it averages over "
                      f"{storage.axes}; restore it where its axis_name is the data axes")
-  n, m = math.prod(devices.old), math.prod(devices.new)
+  n, count = math.prod(devices.old), len(like.signature.shapes)
+  error, gather = [None] * count, [None] * count
+  for key, indices in storage.groups:
+    plan, old = group_plan(like.signature, indices, n, storage), [s.groups[key] for s in states]
+    check_buckets("loco", old[0].error, plan, n, key)
+    merged = mean_error([(g.error, g.error_scale) for g in old], plan, n, storage)
+    error = [x if i in indices else e for i, (x, e) in enumerate(zip(merged, error))]
+    if old[0].gather_error is not None:
+      whole = shard_error([(g.gather_error, g.gather_scale) for g in old], plan, storage)
+      gather = [x if i in indices else g for i, (x, g) in enumerate(zip(whole, gather))]
+  quantized = any(g.gather_error is not None for g in states[0].groups.values())
+  return ByLeaf({"error": error, **({"gather": gather} if quantized else {})}, states[0].count)
+
+
+def _loco_states(merged: ByLeaf, like: LocoState, devices: Devices) -> list:
+  """Every new device's error: the merged one encoded in the new buckets (the same on each);
+  the whole leaves' gather errors cut again, device j's shard its row j."""
+  storage, m = storage_of(like.signature, "loco"), math.prod(devices.new)
   groups = {}
   for key, indices in storage.groups:
-    old_plan, new_plan = (_plan(like.signature, indices, r, storage) for r in (n, m))
-    old = [s.groups[key] for s in states]
-    _check_buckets("loco", old[0].error, old_plan, n, key)
-    merged = _mean_error([(g.error, g.error_scale) for g in old], old_plan, n, storage)
-    error, scale = _flat(*_codes(merged, new_plan, storage))
-    new = [GroupState(error, scale, None, None)] * m
-    if old[0].gather_error is not None:
-      whole = _shard_error([(g.gather_error, g.gather_scale) for g in old], old_plan, storage)
-      codes, scales = _codes(whole, new_plan, storage)
-      new = [g._replace(**dict(zip(("gather_error", "gather_scale"), _flat(codes, scales, j))))
-             for j, g in enumerate(new)]
-    groups[key] = new
-  return [LocoState(states[0].count, ByGroup({k: v[j] for k, v in groups.items()}),
-                    like.signature) for j in range(m)]
+    plan = group_plan(like.signature, indices, m, storage)
+    pick = lambda values: [x if i in indices else None for i, x in enumerate(values)]
+    error, scale = as_stored(*encoded(pick(merged.leaves["error"]), plan, storage))
+    groups[key] = [GroupState(error, scale, None, None)] * m
+    if "gather" in merged.leaves:
+      codes, scales = encoded(pick(merged.leaves["gather"]), plan, storage)
+      groups[key] = [g._replace(**dict(zip(("gather_error", "gather_scale"),
+                                           as_stored(codes, scales, j))))
+                     for j, g in enumerate(groups[key])]
+  return [LocoState(merged.rest, ByGroup({k: v[j] for k, v in groups.items()}), like.signature)
+          for j in range(m)]
+
+
+def _merge_loco(states: list, like: LocoState, devices: Devices) -> list:
+  return _loco_states(_loco_merged(states, like, devices), like, devices)
+
+
+def _loco_old_like(like: LocoState, shapes: list, axes: list) -> LocoState:
+  """One device's LoCo state (shapes) on a mesh where the params' blocks had `shapes` and were
+  split over the model `axes`: the groups and buckets of that mesh."""
+  signature, groups = like.signature, {}
+  for i, (shape, floats) in enumerate(zip(shapes, signature.floats)):
+    if floats and math.prod(shape):
+      groups.setdefault(",".join(sorted(axes[i])), []).append(i)
+  layout = tuple((k, tuple((key, tuple(v)) for key, v in groups.items()) if k == "groups"
+                  else v) for k, v in signature.layout)
+  return like._replace(signature=TreeSignature(signature.treedef, tuple(map(tuple, shapes)),
+                                               signature.floats, layout))
 
 
 # --- two_hop: an intra-node hop over the local axis, a node hop over node shards --------------
@@ -219,10 +190,10 @@ def _node_shards(per_l: list[list], old_len: int, new_len: int, new_local: int) 
   return out
 
 
-def _hops(like: TwoHopState, devices: Devices) -> tuple[_Storage, str, str, list, list]:
+def _hops(like: TwoHopState, devices: Devices) -> tuple[Storage, str, str, list, list]:
   """(storage, node axis, local axis, [(nodes, local devices) before, now], per group key
   [its hop-1 plans before and now, its hop-2 plans before and now])."""
-  storage = _storage(like.signature, "two_hop")
+  storage = storage_of(like.signature, "two_hop")
   node, local = storage.axes
   if set(devices.axes) != {node, local}:
     raise ValueError(f"two_hop: its state is split over {devices.axes}, but its hops run over "
@@ -230,8 +201,8 @@ def _hops(like: TwoHopState, devices: Devices) -> tuple[_Storage, str, str, list
   grids = [dict(zip(devices.axes, s)) for s in (devices.old, devices.new)]
   sizes = [(g[node], g[local]) for g in grids]
   shard = lambda rows: lambda size: layout.shard_len(size, rows)
-  plans = {key: ([_plan(like.signature, indices, locs, storage) for _, locs in sizes],
-                 [_plan(like.signature, indices, nodes, storage, shard(locs))
+  plans = {key: ([group_plan(like.signature, indices, locs, storage) for _, locs in sizes],
+                 [group_plan(like.signature, indices, nodes, storage, shard(locs))
                   for nodes, locs in sizes]) for key, indices in storage.groups}
   return storage, node, local, sizes, plans
 
@@ -261,30 +232,30 @@ def _merge_two_hop(states: list, like: TwoHopState, devices: Devices) -> list:
     old_len, new_len = ([leaf.size if leaf else 0 for leaf in p.leaves] for p in hop2)
     new = {f: [None] * m for f in fields}
     if states[0].error is not None:  # intra="loco": every device's error of its whole leaves
-      merged = _mean_error([(s.error[key], None if s.error_scale is None else
-                             s.error_scale[key]) for s in states], hop1[0], locs, storage)
-      new["error"], new["error_scale"] = zip(*[_flat(*_codes(merged, hop1[1], storage))] * m)
-    _check_buckets("two_hop", states[0].node_error[key], hop2[0], nodes, key)
-    node_errors = [_mean_error([(states[at(i, l)].node_error[key], None if states[0]
-                                 .node_error_scale is None else
-                                 states[at(i, l)].node_error_scale[key])
-                                for i in range(nodes)], hop2[0], nodes, storage)
+      merged = mean_error([(s.error[key], None if s.error_scale is None else
+                            s.error_scale[key]) for s in states], hop1[0], locs, storage)
+      new["error"], new["error_scale"] = zip(*[as_stored(*encoded(merged, hop1[1], storage))] * m)
+    check_buckets("two_hop", states[0].node_error[key], hop2[0], nodes, key)
+    node_errors = [mean_error([(states[at(i, l)].node_error[key], None if states[0]
+                                .node_error_scale is None else
+                                states[at(i, l)].node_error_scale[key])
+                               for i in range(nodes)], hop2[0], nodes, storage)
                    for l in range(locs)]
     for l, shards in enumerate(_node_shards(node_errors, old_len, new_len, new_locs)):
-      error, scale = _flat(*_codes(shards, hop2[1], storage))
+      error, scale = as_stored(*encoded(shards, hop2[1], storage))
       for i in range(new_nodes):
         j = devices.linear({node: i, local: l}, new=True)
         new["node_error"][j], new["node_error_scale"][j] = error, scale
     if states[0].gather_error is not None:  # gather="quantized": device (i, l) has row i
-      gathered = [_shard_error([(states[at(i, l)].gather_error[key], None if states[0]
-                                 .gather_error_scale is None else
-                                 states[at(i, l)].gather_error_scale[key])
-                                for i in range(nodes)], hop2[0], storage) for l in range(locs)]
+      gathered = [shard_error([(states[at(i, l)].gather_error[key], None if states[0]
+                                .gather_error_scale is None else
+                                states[at(i, l)].gather_error_scale[key])
+                               for i in range(nodes)], hop2[0], storage) for l in range(locs)]
       for l, shards in enumerate(_node_shards(gathered, old_len, new_len, new_locs)):
-        codes, scales = _codes(shards, hop2[1], storage)
+        codes, scales = encoded(shards, hop2[1], storage)
         for i in range(new_nodes):
           j = devices.linear({node: i, local: l}, new=True)
-          new["gather_error"][j], new["gather_error_scale"][j] = _flat(codes, scales, i)
+          new["gather_error"][j], new["gather_error_scale"][j] = as_stored(codes, scales, i)
     for f, per_device in new.items():
       for j, value in enumerate(per_device):
         fields[f][j][key] = value
@@ -312,30 +283,47 @@ def _merge_ef21(states: list, like: EF21State, devices: Devices) -> list:
   return [merged] * math.prod(devices.new)
 
 
+def _by_leaf(fields: tuple[str, ...]) -> Reblock:
+  """A state whose `fields` hold each leaf's float values (flat, its block's elements): merged
+  as its type's merge does, those fields by leaf and the rest as they are."""
+  def merged(states: list, like: Any, devices: Devices) -> ByLeaf:
+    one = _MERGES[type(like)].merge(states, like, devices)[0]
+    return ByLeaf({f: jax.tree.leaves(getattr(one, f)) for f in fields},
+                  one._replace(**{f: None for f in fields}))
+
+  def states(merged: ByLeaf, like: Any, devices: Devices) -> list:
+    trees = {f: jax.tree.structure(getattr(like, f)).unflatten(merged.leaves[f]) for f in fields}
+    return [merged.rest._replace(**trees)] * math.prod(devices.new)
+  return Reblock(merged, states, lambda like, shapes, axes: like)
+
+
 _ERROR_MEAN = ("the devices' errors decoded and averaged, every new device starting from the "
                "mean: the correction owed to the averaged update is kept")
 _SAME = lambda like, devices: like  # per-leaf state: laid out alike on any device count
 _MERGES: dict[type, Registered] = {
     LocoState: Registered(_merge_loco, _ERROR_MEAN + " (int8: re-encoded in the new buckets); "
                           "a quantized gather's shard errors joined and cut again",
-                          _loco_layout),
+                          _loco_layout, Reblock(_loco_merged, _loco_states, _loco_old_like)),
     TwoHopState: Registered(_merge_two_hop, _ERROR_MEAN + " (the node hop's per node shard); "
                             "the node shards joined and cut again for the new local axis",
                             _two_hop_layout),
-    Co3State: Registered(_merge_co3, _ERROR_MEAN + "; scales and coded bits averaged", _SAME),
-    ErrorFeedbackState: Registered(_merge_error_feedback, _ERROR_MEAN, _SAME),
+    Co3State: Registered(_merge_co3, _ERROR_MEAN + "; scales and coded bits averaged", _SAME,
+                         _by_leaf(("error",))),
+    ErrorFeedbackState: Registered(_merge_error_feedback, _ERROR_MEAN, _SAME,
+                                   _by_leaf(("error",))),
     EF21State: Registered(_merge_ef21, "g_i averaged (the estimate g, their mean, carried "
-                          "over): mean_j g'_j = g still", _SAME),
+                          "over): mean_j g'_j = g still", _SAME, _by_leaf(("local", "estimate"))),
 }
 
 
-def register_merge(state_type: type, merge: Merge, how: str, layout: Layout | None = None
-                   ) -> None:
+def register_merge(state_type: type, merge: Merge, how: str, layout: Layout | None = None,
+                   reblock: Reblock | None = None) -> None:
   """Declares how the per-device fields of a state class of your own (`register_per_device`)
   are merged for another device count: `merge(states, like, devices)` takes the n old devices'
   states (numpy) and one new device's state (ShapeDtypeStructs) and returns the m new ones';
   `how` says what it preserves, for the restore's record; `layout(like, devices)` gives one
-  old device's state (shapes) where it differs from a new one's (default: the same).
+  old device's state (shapes) where it differs from a new one's (default: the same);
+  `reblock`: how it goes to a mesh of another shape over the model axes (default: refused).
 
   Example:
     >>> from typing import Any, NamedTuple
@@ -347,7 +335,7 @@ def register_merge(state_type: type, merge: Merge, how: str, layout: Layout | No
   if not callable(merge) or not isinstance(how, str):
     raise ValueError(f"register_merge: merge must be callable and how a str, got "
                      f"{type(merge).__name__} and {type(how).__name__}")
-  _MERGES[state_type] = Registered(merge, how, layout or _SAME)
+  _MERGES[state_type] = Registered(merge, how, layout or _SAME, reblock)
 
 
 def merge_of(state: Any) -> Registered | None:
