@@ -13,10 +13,13 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import decoded
 import train_worker
 from loco_jax import co3, loco, two_hop
 from loco_jax.train import checkpoint, parallel, reshard
+from loco_jax.core.leaves import ByGroup
 from loco_jax.transforms import baselines
+from loco_jax.transforms.loco_state import GroupState, LocoState
 
 SAVE_AT, AFTER = 10, 10   # the checkpoint's step; the steps resumed after it
 COMPRESSORS = {
@@ -42,6 +45,9 @@ class Run:
     self.mesh, self.axis = mesh, axis_name
     params = train_worker.layered_params(32) if mode == "fsdp" else train_worker.init_params(32)
     loss = train_worker.layered_model() if mode == "fsdp" else train_worker.loss_fn
+    if "model" in mesh.axis_names:
+      params = {k: jax.device_put(v, NamedSharding(mesh, train_worker.MODEL_SPECS[k]))
+                for k, v in params.items()}
     compressor = COMPRESSORS[name](axis_name, mode in ("zero2", "fsdp"))
     options = dict(compressor=compressor, mode=mode, axis_name=axis_name, **extra)
     self.state, _ = parallel.init_train_state(params, optax.adam(1e-2), mesh, **options)
@@ -115,6 +121,48 @@ def test_two_hop_continues_on_fewer_nodes_and_local_devices(tmp_path):
   restored, resumed = _resumed(tmp_path, old, new, range(SAVE_AT, SAVE_AT + AFTER))
   assert "TwoHopState" in str(restored.resharded)
   _no_jump(uninterrupted, resumed, SAVE_AT)
+
+
+@pytest.mark.slow
+def test_two_hop_goes_to_another_model_shape_and_back(tmp_path):
+  axes = ("node", "local")
+  model = jax.make_mesh((2, 2, 2), (*axes, "model"), axis_types=(AxisType.Auto,) * 3,
+                        devices=jax.devices()[:8])
+  old = Run(model, "ddp", "two_hop", axis_name=axes)
+  uninterrupted = old.train(range(SAVE_AT))
+  saved = jax.tree.map(jnp.copy, old.state)
+  uninterrupted += old.train(range(SAVE_AT, SAVE_AT + AFTER))
+  old.state = saved
+  flat = Run(parallel.node_mesh(2, 4), "ddp", "two_hop", axis_name=axes)
+  there, resumed = _resumed(tmp_path / "there", old, flat, range(SAVE_AT, SAVE_AT + AFTER))
+  assert there.resharded.mesh == "(node=2, local=4)" and "TwoHopState" in str(there.resharded)
+  for field in ("error", "node_error", "gather_error"):  # the errors were carried, not dropped
+    assert any(np.any(np.asarray(x)) for x in jax.tree.leaves(getattr(
+        there.state.compressor_state, field))), field
+  _no_jump(uninterrupted, resumed, SAVE_AT)
+  # On one device either way: straight from the (node, local, model) mesh, or through the
+  # (node, local) one. The node hop's error of each whole leaf is the same, up to re-encoding.
+  one = [Run(parallel.node_mesh(1, 1), "ddp", "two_hop", axis_name=axes) for _ in range(2)]
+  direct, _ = _resumed(tmp_path / "direct", old, one[0], range(SAVE_AT, SAVE_AT))
+  flat.state = there.state
+  through, _ = _resumed(tmp_path / "through", flat, one[1], range(SAVE_AT, SAVE_AT))
+  for field in ("error", "node_error"):
+    a, b = (_two_hop_leaves(r.state.compressor_state, field) for r in (direct, through))
+    for k in a:
+      np.testing.assert_allclose(a[k], b[k], atol=2 * np.abs(a[k]).max() / 127, err_msg=k)
+  flat.state = there.state
+  back = Run(model, "ddp", "two_hop", axis_name=axes)
+  _, resumed = _resumed(tmp_path / "back", flat, back, range(SAVE_AT, SAVE_AT + AFTER))
+  _no_jump(uninterrupted, resumed, SAVE_AT)
+
+
+def _two_hop_leaves(state, field: str) -> dict:
+  """A one-device two_hop state's `field` decoded per leaf (tests/decoded.py): on one device
+  each hop's buckets are LoCo's over one row of whole leaves."""
+  scale = state.error_scale if field == "error" else state.node_error_scale
+  one = LocoState(state.count, ByGroup({"": GroupState(getattr(state, field)[""], scale[""],
+                                                       None, None)}), None)
+  return decoded.loco_leaves(one, train_worker.init_params(32), 1, 256)
 
 
 def _mesh(data: int, model: int):

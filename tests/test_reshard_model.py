@@ -5,6 +5,8 @@ preserves is checked against it, the master shards bit for bit; what cannot be m
 naming both sides."""
 
 import re
+from typing import Any, NamedTuple
+
 import jax
 import numpy as np
 import optax
@@ -19,7 +21,6 @@ from loco_jax.train import checkpoint, model_blocks, parallel
 from loco_jax.train.diloco import fragment_leaves
 from model_runs import HIDDEN, SHAPES, SPECS, loco_rows, mesh_of, restored, run_on, trained
 from loco_jax.transforms import baselines, merge
-from loco_jax.transforms.two_hop import TwoHopState
 
 def test_blocks_are_joined_and_cut_again():
   x = np.arange(8 * 12, dtype=np.float32).reshape(8, 12)
@@ -186,10 +187,15 @@ def test_what_cannot_be_re_laid_is_refused_naming_both_sides(tmp_path):
                        mesh_keys=("devices",))
 
 
-def test_two_hop_is_re_laid_for_other_data_sizes_only():
-  like = TwoHopState(*[None] * len(TwoHopState._fields))
+class _DataSizesOnly(NamedTuple):
+  error: Any
+
+
+def test_a_state_without_a_reblock_is_re_laid_for_other_data_sizes_only():
+  merge.register_merge(_DataSizesOnly, lambda states, like, devices: states, "kept")
+  like = _DataSizesOnly(None)
   assert merge.merge_of(like).reblock is None
   blocks = model_blocks.ModelBlocks(("['w']",), (), (), {}, {}, (), None)
-  with pytest.raises(ValueError, match="TwoHopState is re-laid for other sizes of the data "
+  with pytest.raises(ValueError, match="_DataSizesOnly is re-laid for other sizes of the data "
                                        "axes only, not for another shape over the model axes"):
     model_blocks.old_device(like, blocks, ".compressor_state")

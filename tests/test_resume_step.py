@@ -12,7 +12,8 @@ an independent computation from the merged state.
   bit, and so must the step from it.
 
 two_hop is left to tests/test_merge.py (its merge against numpy) and tests/test_reshard.py (the
-resumed run's loss): a reference state would re-encode its two hops' buckets here.
+resumed run's loss, and its node hop's error through two model shapes): a reference state would
+re-encode its two hops' buckets here.
 """
 
 from typing import Any

@@ -20,8 +20,7 @@ Onto a mesh whose model axes have another shape, a type's `Reblock` splits the m
 block (`ByLeaf`); train/model_blocks.py joins each param's blocks and cuts them again; `states`
 encodes the new blocks for the new devices. The same mean is kept, param element by element:
 (1/m) sum_j e'_j = (1/n) sum_i e_i for each element of each whole param, up to the int8
-re-encoding in the new buckets. Statistics are averaged over the old blocks as well. two_hop
-has no Reblock: it is re-laid for other data sizes only.
+re-encoding in the new buckets. Statistics are averaged over the old blocks as well.
 """
 
 import math
@@ -159,8 +158,8 @@ def _merge_loco(states: list, like: LocoState, devices: Devices) -> list:
   return _loco_states(_loco_merged(states, like, devices), like, devices)
 
 
-def _loco_old_like(like: LocoState, shapes: list, axes: list) -> LocoState:
-  """One device's LoCo state (shapes) on a mesh where the params' blocks had `shapes` and were
+def _old_like(like: Any, shapes: list, axes: list) -> Any:
+  """One device's LoCo or two_hop state (shapes) on a mesh where the params' blocks had `shapes` and were
   split over the model `axes`: the groups and buckets of that mesh."""
   signature, groups = like.signature, {}
   for i, (shape, floats) in enumerate(zip(shapes, signature.floats)):
@@ -173,22 +172,6 @@ def _loco_old_like(like: LocoState, shapes: list, axes: list) -> LocoState:
 
 
 # --- two_hop: an intra-node hop over the local axis, a node hop over node shards --------------
-
-def _node_shards(per_l: list[list], old_len: int, new_len: int, new_local: int) -> list[list]:
-  """Each local position's shard of every leaf (None: not sent), joined into the whole leaf
-  and cut again into `new_local` shards of `new_len` (zero padding after the leaf)."""
-  out = [[] for _ in range(new_local)]
-  for i in range(len(per_l[0])):
-    if per_l[0][i] is None:
-      for shards in out:
-        shards.append(None)
-      continue
-    whole = np.concatenate([shards[i][:old_len[i]] for shards in per_l])
-    whole = np.pad(whole, (0, max(new_local * new_len[i] - whole.size, 0)))
-    for l, shards in enumerate(out):
-      shards.append(whole[l * new_len[i]:(l + 1) * new_len[i]])
-  return out
-
 
 def _hops(like: TwoHopState, devices: Devices) -> tuple[Storage, str, str, list, list]:
   """(storage, node axis, local axis, [(nodes, local devices) before, now], per group key
@@ -222,46 +205,82 @@ def _two_hop_layout(like: TwoHopState, devices: Devices) -> TwoHopState:
                           for f in fields})
 
 
-def _merge_two_hop(states: list, like: TwoHopState, devices: Devices) -> list:
+def _two_hop_merged(states: list, like: TwoHopState, devices: Devices) -> ByLeaf:
+  """The old devices' intra-node errors decoded per leaf and averaged; the node hop's errors
+  averaged over the nodes and joined over the local axis into one error of each whole leaf (and
+  a quantized gather's rows joined likewise)."""
   storage, node, local, sizes, plans = _hops(like, devices)
-  (nodes, locs), (new_nodes, new_locs) = sizes
+  nodes, locs = sizes[0]
+  count = len(like.signature.shapes)
+  at = lambda i, l: devices.linear({node: i, local: l})
+  scales = lambda s, f, key: None if getattr(s, f) is None else getattr(s, f)[key]
+  out = {f: [None] * count for f in ("error", "node", "gather")}
+
+  def whole(per_local: list[list]) -> list:
+    return [None if per_local[0][i] is None else np.concatenate(
+        [shards[i] for shards in per_local])[:math.prod(like.signature.shapes[i])]
+        for i in range(count)]
+
+  def keep(field: str, values: list) -> None:
+    out[field] = [x if x is not None else o for x, o in zip(values, out[field])]
+
+  for key, (hop1, hop2) in plans.items():
+    if states[0].error is not None:  # intra="loco": every device's error of its whole leaves
+      keep("error", mean_error([(s.error[key], scales(s, "error_scale", key)) for s in states],
+                               hop1[0], locs, storage))
+    check_buckets("two_hop", states[0].node_error[key], hop2[0], nodes, key)
+    keep("node", whole([mean_error([(states[at(i, l)].node_error[key],
+                                     scales(states[at(i, l)], "node_error_scale", key))
+                                    for i in range(nodes)], hop2[0], nodes, storage)
+                        for l in range(locs)]))
+    if states[0].gather_error is not None:  # gather="quantized": device (i, l) has row i
+      keep("gather", whole([shard_error([(states[at(i, l)].gather_error[key],
+                                          scales(states[at(i, l)], "gather_error_scale", key))
+                                         for i in range(nodes)], hop2[0], storage)
+                            for l in range(locs)]))
+  kept = {f: v for f, v in out.items() if any(x is not None for x in v)}
+  return ByLeaf(kept, states[0].count)
+
+
+def _two_hop_states(merged: ByLeaf, like: TwoHopState, devices: Devices) -> list:
+  """Every new device's state: the intra-node error encoded in the new buckets (the same on
+  each); the node hop's whole leaves cut into the new local axis's shards, local position l's
+  on every node (a quantized gather's: node i's row of it)."""
+  storage, node, local, sizes, plans = _hops(like, devices)
+  new_nodes, new_locs = sizes[1]
   m = math.prod(devices.new)
   fields = {f: [dict() for _ in range(m)] for f in TwoHopState._fields[1:7]}
-  at = lambda i, l: devices.linear({node: i, local: l})
   for key, (hop1, hop2) in plans.items():
-    old_len, new_len = ([leaf.size if leaf else 0 for leaf in p.leaves] for p in hop2)
+    indices = dict(storage.groups)[key]
+    pick = lambda values: [x if i in indices else None for i, x in enumerate(values)]
+    new_len = [leaf.size if leaf else 0 for leaf in hop2[1].leaves]
+    cut = lambda values: [
+        [None if x is None else np.pad(x, (0, max(new_locs * new_len[i] - x.size, 0)))
+         [l * new_len[i]:(l + 1) * new_len[i]] for i, x in enumerate(pick(values))]
+        for l in range(new_locs)]
     new = {f: [None] * m for f in fields}
-    if states[0].error is not None:  # intra="loco": every device's error of its whole leaves
-      merged = mean_error([(s.error[key], None if s.error_scale is None else
-                            s.error_scale[key]) for s in states], hop1[0], locs, storage)
-      new["error"], new["error_scale"] = zip(*[as_stored(*encoded(merged, hop1[1], storage))] * m)
-    check_buckets("two_hop", states[0].node_error[key], hop2[0], nodes, key)
-    node_errors = [mean_error([(states[at(i, l)].node_error[key], None if states[0]
-                                .node_error_scale is None else
-                                states[at(i, l)].node_error_scale[key])
-                               for i in range(nodes)], hop2[0], nodes, storage)
-                   for l in range(locs)]
-    for l, shards in enumerate(_node_shards(node_errors, old_len, new_len, new_locs)):
-      error, scale = as_stored(*encoded(shards, hop2[1], storage))
-      for i in range(new_nodes):
-        j = devices.linear({node: i, local: l}, new=True)
-        new["node_error"][j], new["node_error_scale"][j] = error, scale
-    if states[0].gather_error is not None:  # gather="quantized": device (i, l) has row i
-      gathered = [shard_error([(states[at(i, l)].gather_error[key], None if states[0]
-                                .gather_error_scale is None else
-                                states[at(i, l)].gather_error_scale[key])
-                               for i in range(nodes)], hop2[0], storage) for l in range(locs)]
-      for l, shards in enumerate(_node_shards(gathered, old_len, new_len, new_locs)):
+    if "error" in merged.leaves:
+      new["error"], new["error_scale"] = zip(
+          *[as_stored(*encoded(pick(merged.leaves["error"]), hop1[1], storage))] * m)
+    for field, source in (("node_error", "node"), ("gather_error", "gather")):
+      if source not in merged.leaves:
+        continue
+      for l, shards in enumerate(cut(merged.leaves[source])):
         codes, scales = encoded(shards, hop2[1], storage)
         for i in range(new_nodes):
           j = devices.linear({node: i, local: l}, new=True)
-          new["gather_error"][j], new["gather_error_scale"][j] = as_stored(codes, scales, i)
+          new[field][j], new[field + "_scale"][j] = as_stored(
+              codes, scales, i if field == "gather_error" else None)
     for f, per_device in new.items():
       for j, value in enumerate(per_device):
         fields[f][j][key] = value
   field = lambda f, j: (None if getattr(like, f) is None else ByGroup(fields[f][j]))
-  return [TwoHopState(states[0].count, *[field(f, j) for f in TwoHopState._fields[1:7]],
+  return [TwoHopState(merged.rest, *[field(f, j) for f in TwoHopState._fields[1:7]],
                       like.signature) for j in range(m)]
+
+
+def _merge_two_hop(states: list, like: TwoHopState, devices: Devices) -> list:
+  return _two_hop_states(_two_hop_merged(states, like, devices), like, devices)
 
 
 # --- Per-leaf float states ------------------------------------------------------------------------
@@ -303,10 +322,11 @@ _SAME = lambda like, devices: like  # per-leaf state: laid out alike on any devi
 _MERGES: dict[type, Registered] = {
     LocoState: Registered(_merge_loco, _ERROR_MEAN + " (int8: re-encoded in the new buckets); "
                           "a quantized gather's shard errors joined and cut again",
-                          _loco_layout, Reblock(_loco_merged, _loco_states, _loco_old_like)),
+                          _loco_layout, Reblock(_loco_merged, _loco_states, _old_like)),
     TwoHopState: Registered(_merge_two_hop, _ERROR_MEAN + " (the node hop's per node shard); "
                             "the node shards joined and cut again for the new local axis",
-                            _two_hop_layout),
+                            _two_hop_layout, Reblock(_two_hop_merged, _two_hop_states,
+                                                     _old_like)),
     Co3State: Registered(_merge_co3, _ERROR_MEAN + "; scales and coded bits averaged", _SAME,
                          _by_leaf(("error",))),
     ErrorFeedbackState: Registered(_merge_error_feedback, _ERROR_MEAN, _SAME,
