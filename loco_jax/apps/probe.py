@@ -1,0 +1,221 @@
+"""`loco-jax probe`: measures a cluster's calibration for `loco-jax advise`, on its own links.
+
+Every process of the job runs it, as it runs training (jax.distributed; one process alone needs
+no coordinator). It compiles each method's exchange step, finds which collectives they run,
+times each of those ops over all devices at growing buffer sizes (until a call takes
+--max-call-s), and times each method's step and its collectives alone at --work-params: the
+difference is the method's work. Process 0 writes the calibration (docs/guides/advise.md).
+"""
+
+import argparse
+import json
+import signal
+import statistics
+import sys
+import time
+from typing import Callable, Sequence
+
+from loco_jax.apps import calibration as calib
+from loco_jax.apps import netbench_methods
+from loco_jax.apps.netbench_methods import FLAT_DEFAULT, METHODS
+
+SIZES = tuple(2**k for k in (12, 15, 18, 20, 22, 24, 26))   # buffer bytes, smallest first
+WORK_PARAMS = (2**18, 2**20)
+
+
+def _parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(prog="loco-jax probe", description=__doc__.split("\n")[0])
+  p.add_argument("--out", required=True, help="the calibration JSON (process 0 writes it)")
+  p.add_argument("--coordinator", default=None,
+                 help="ADDRESS:PORT of process 0 (omit with --processes 1)")
+  p.add_argument("--processes", type=int, default=1)
+  p.add_argument("--process-id", type=int, default=0)
+  p.add_argument("--address", default=None,
+                 help="this host's address for gloo's collectives on CPU (multi-homed hosts)")
+  p.add_argument("--cpu-devices", type=int, default=None,
+                 help="on CPU: devices a process (jax_num_cpu_devices; default: jax's)")
+  p.add_argument("--methods", default=",".join(FLAT_DEFAULT),
+                 help=f"comma-separated, from {','.join(n for n, m in METHODS.items() if m.topology == 'flat')}")
+  p.add_argument("--work-params", default=",".join(map(str, WORK_PARAMS)),
+                 help="parameters at which each method's work is timed, increasing")
+  p.add_argument("--sizes", default=",".join(map(str, SIZES)),
+                 help="buffer bytes at which each collective is timed, increasing")
+  p.add_argument("--max-call-s", type=float, default=1.0,
+                 help="stop a collective's sizes after the first whose call takes this long")
+  p.add_argument("--repeats", type=int, default=5, help="timed calls per point (the median)")
+  p.add_argument("--timeout", type=int, default=1800, help="seconds before a process gives up")
+  return p
+
+
+def _ints(text: str, option: str) -> tuple[int, ...]:
+  try:
+    values = tuple(int(v) for v in text.split(","))
+  except ValueError:
+    raise ValueError(f"{option} must be comma-separated integers, got {text!r}") from None
+  if not values or values[0] < 1 or any(b <= a for a, b in zip(values, values[1:])):
+    raise ValueError(f"{option} must be positive and increasing, got {text!r}")
+  return values
+
+
+def check_args(args) -> None:
+  """Every argument checked before jax starts: a ValueError saying what is accepted."""
+  flat = [n for n, m in METHODS.items() if m.topology == "flat"]
+  methods = args.methods.split(",")
+  if not methods or [m for m in methods if m not in flat] or len(set(methods)) != len(methods):
+    raise ValueError(f"--methods must be distinct names from {flat}, got {args.methods!r}")
+  _ints(args.work_params, "--work-params")
+  _ints(args.sizes, "--sizes")
+  if args.processes < 1 or not 0 <= args.process_id < args.processes:
+    raise ValueError(f"--process-id must be in 0..{args.processes - 1} of --processes "
+                     f"{args.processes} (>= 1), got {args.process_id}")
+  if args.processes > 1 and not args.coordinator:
+    raise ValueError("--coordinator ADDRESS:PORT is needed with --processes > 1")
+  if args.repeats < 1 or args.timeout < 1 or not args.max_call_s > 0:
+    raise ValueError(f"--repeats and --timeout must be >= 1 and --max-call-s > 0, got "
+                     f"{args.repeats}, {args.timeout}, {args.max_call_s}")
+  if args.cpu_devices is not None and args.cpu_devices < 1:
+    raise ValueError(f"--cpu-devices must be >= 1, got {args.cpu_devices}")
+  if args.process_id == 0:
+    from loco_jax.apps.netbench import check_writable
+    check_writable(args.out, "--out")
+
+
+def _median_s(fn: Callable[[], object], repeats: int) -> float:
+  """Median wall seconds of `fn()` (blocked until ready), after one untimed call."""
+  import jax
+  jax.block_until_ready(fn())
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn())
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
+
+
+class _Job:
+  """The flat mesh of every device, and the cross-process agreement programs on it."""
+
+  def __init__(self):
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+    from loco_jax.train import parallel
+    self.jax, self.mesh = jax, parallel.data_mesh()
+    self._sharding = NamedSharding(self.mesh, P("data"))
+    self._max = jax.jit(jax.shard_map(lambda x: jax.lax.pmax(x, "data"), mesh=self.mesh,
+                                      in_specs=P("data"), out_specs=P()))
+
+  def slowest(self, seconds: float) -> float:
+    """The largest of every process's `seconds` (all processes get the same answer)."""
+    import numpy as np
+    n = self.mesh.size
+    x = self.jax.make_array_from_callback(
+        (n,), self._sharding, lambda idx: np.full(n, seconds, np.float32)[idx])
+    return float(np.asarray(self._max(x).addressable_data(0))[0])
+
+  def ones(self):
+    import numpy as np
+    n = self.mesh.size
+    return self.jax.make_array_from_callback((n,), self._sharding,
+                                             lambda idx: np.ones(n, np.float32)[idx])
+
+
+def _compiled(job: _Job, method: str, n_params: int):
+  """(run one step, the collectives of its compiled program) of `method` at `n_params`."""
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+  from loco_jax import comm
+  from loco_jax.apps.netbench_worker import gradient
+  jax, mesh = job.jax, job.mesh
+  grads = jax.make_array_from_callback((mesh.size, n_params), NamedSharding(mesh, P("data")),
+                                       lambda idx: gradient(idx[0].start or 0, n_params))
+  step, state = netbench_methods.exchange_step(method, n_params, mesh)
+  found = comm.collectives_per_step(step.lower(grads, state).compile().as_text(), mesh.size)
+  box = [state]
+
+  def run():
+    out, box[0] = step(grads, box[0])
+    return out
+
+  return run, found
+
+
+def measure_collective(job: _Job, op: str, dtype: str, sizes: Sequence[int], repeats: int,
+                       max_call_s: float) -> calib.CollectiveTiming:
+  """`op` over every device at each size (the slowest process's median), until a call takes
+  `max_call_s` (every process stops at the same size)."""
+  from loco_jax import comm
+  n, measured, seconds = job.mesh.size, [], []
+  for nbytes in sizes:
+    nbytes = max(nbytes - nbytes % (4 * n), 4 * n)   # whole elements, cut in n equal pieces
+    one = comm.Collective(op, dtype if op in calib.REDUCING else "u8", nbytes, n)
+    replay, ones = netbench_methods.collectives_replay([one], job.mesh), job.ones()
+    seconds.append(job.slowest(_median_s(lambda: replay(ones), repeats)))
+    measured.append(nbytes)
+    if seconds[-1] >= max_call_s:
+      break
+  return calib.CollectiveTiming(op, calib.key_dtype(op, dtype), n, tuple(measured),
+                                tuple(seconds))
+
+
+def measure_work(job: _Job, method: str, params: Sequence[int],
+                 repeats: int) -> calib.MethodWork:
+  """`method`'s step less its collectives replayed alone, at each size (slowest process)."""
+  seconds = []
+  for n_params in params:
+    run, found = _compiled(job, method, n_params)
+    step_s = job.slowest(_median_s(run, repeats))
+    replay, ones = netbench_methods.collectives_replay(found, job.mesh), job.ones()
+    collectives_s = job.slowest(_median_s(lambda: replay(ones), repeats))
+    seconds.append(max(step_s - collectives_s, 0.0))
+  return calib.MethodWork(method, tuple(params), tuple(seconds))
+
+
+def probe(methods: Sequence[str], work_params: Sequence[int] = WORK_PARAMS,
+          sizes: Sequence[int] = SIZES, repeats: int = 5, max_call_s: float = 1.0,
+          note: str = "") -> calib.Calibration:
+  """Measures the calibration on this job's devices (every process calls it alike)."""
+  import jax
+  job = _Job()
+  ops = {}   # (op, dtype) of every collective the methods run, in the order first met
+  for method in methods:
+    for c in _compiled(job, method, work_params[0])[1]:
+      if c.group_size > 1:
+        ops.setdefault((c.op, calib.key_dtype(c.op, c.dtype)), c.dtype)
+  timings = [measure_collective(job, op, dtype, sizes, repeats, max_call_s)
+             for (op, _), dtype in ops.items()]
+  work = [measure_work(job, m, work_params, repeats) for m in methods]
+  return calib.Calibration(jax.process_count(), jax.device_count(), jax.default_backend(),
+                           tuple(timings), tuple(work), note)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  args = _parser().parse_args(argv)
+  try:
+    check_args(args)
+  except ValueError as e:
+    print(f"probe: {e}", file=sys.stderr)
+    return 2
+  signal.alarm(args.timeout)   # a hung peer fails this process instead of hanging it
+  import jax
+  if args.cpu_devices is not None:
+    jax.config.update("jax_num_cpu_devices", args.cpu_devices)
+  if args.processes > 1:
+    from loco_jax.train import parallel
+    parallel.initialize(args.coordinator, args.processes, args.process_id,
+                        gloo_hostname=args.address,
+                        initialization_timeout=min(args.timeout, 120))
+  started = time.perf_counter()
+  result = probe(args.methods.split(","), _ints(args.work_params, "--work-params"),
+                 _ints(args.sizes, "--sizes"), args.repeats, args.max_call_s,
+                 note=f"loco-jax probe {' '.join(argv if argv is not None else sys.argv[1:])}")
+  if args.process_id == 0:
+    calib.write(args.out, result)
+    print(json.dumps({"probe": args.out, "seconds": round(time.perf_counter() - started, 1)}))
+  if args.processes > 1:
+    jax.distributed.shutdown()
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
