@@ -296,7 +296,7 @@ def _train_row(method, host, step_s, eval_loss=2.0, bits=10.0, predicted=10.0):
           "payload_bits_per_param": bits, "predicted_bits_per_param": predicted}
 
 
-def test_training_rows_split_the_step_and_carry_the_cost_model():
+def test_training_rows_split_the_step_into_compute_and_exchange():
   rows = [_train_row("compute", 0, 0.05), _train_row("compute", 1, 0.06),
           _train_row("fp32", 0, 0.20, bits=32.1, predicted=32.0),
           _train_row("fp32", 1, 0.25, bits=32.0, predicted=32.0),
@@ -309,10 +309,8 @@ def test_training_rows_split_the_step_and_carry_the_cost_model():
   assert abs(fp32["exchange_s"] - 0.19) < 1e-12
   assert fp32["tokens_per_s"] == 512 / 0.25
   assert abs(loco["eval_loss"] - 2.03) < 1e-12
-  # 32 bits x 1M params at 100 Mb/s: 0.32 s after the compute; Table I: (32 + 32) / 2 bits.
-  assert abs(fp32["predicted_step_s"] - (0.06 + 0.32)) < 1e-9
-  assert abs(fp32["cost_model_step_s"] - (0.06 + 0.32)) < 1e-9
-  assert abs(loco["cost_model_step_s"] - (0.06 + 0.1)) < 1e-9
+  # No step predicted by hand-set rates: a cluster's steps are advise's (step_model).
+  assert not {"predicted_step_s", "cost_model_step_s"} & set(fp32)
   assert netbench_report.check_training(list(records.values())) == []
   assert "fp32" in netbench_report.format_training_table([fp32])[2]
   bad = netbench_report.summarize_training(rows[:2] + [_train_row("bf16", h, 0.1, bits=17.0,

@@ -18,6 +18,7 @@ import ctypes
 import importlib.util
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -115,6 +116,15 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--default-malloc", dest="host_malloc", action="store_false",
                  help=f"run the hosts with glibc's default malloc settings instead of "
                       f"GLIBC_TUNABLES={HOST_MALLOC} (a GLIBC_TUNABLES already set is kept)")
+  p.add_argument("--probe", default=None, metavar="FILE",
+                 help="instead of timing the exchanges, run `loco-jax probe` on the hosts (one "
+                      "--rate, one level) for --methods and write its calibration to FILE")
+  p.add_argument("--probe-args", default="",
+                 help="more options for every host's probe, e.g. \"--work-params 65536,262144 "
+                      "--max-call-s 0.5\" (`loco-jax probe --help`)")
+  p.add_argument("--calibration", default=None, metavar="FILE",
+                 help="a calibration `loco-jax probe` wrote on these hosts and links: each "
+                      "exchange's step is predicted from it beside the measured one")
   p.add_argument("--json", default=None,
                  help="write the records to this file (checked writable before the run, "
                       "written whole or not at all)")
@@ -188,6 +198,32 @@ def check_writable(path: str, option: str) -> None:
     raise ValueError(f"{option} {path!r} cannot be written: {e.strerror or e}") from None
 
 
+def _check_calibration(args, rates: list[str]) -> None:
+  """--probe and --calibration: one level; a probe runs at one rate and times no training;
+  a calibration must be of this many devices and hold every method's work."""
+  if args.probe is None and args.calibration is None:
+    return
+  if args.nodes > 1:
+    raise ValueError("--probe and --calibration cover one level: the probe times collectives "
+                     "over every device, not inside and between nodes")
+  if args.probe is not None and (len(rates) != 1 or not args.exchange_only or args.calibration):
+    raise ValueError("--probe writes one calibration: give one --rate and --exchange-only, "
+                     "without --calibration")
+  if args.probe is not None:   # the hosts' probe options, checked here as each host will
+    from loco_jax.apps import probe
+    probe.check_args(probe.parse_args(["--out", args.probe, "--methods", args.methods,
+                                       *shlex.split(args.probe_args)]))
+  if args.calibration is not None:
+    from loco_jax.apps import calibration as calib
+    found = calib.read(args.calibration)
+    devices = args.hosts * args.devices_per_host
+    missing = [m for m in args.methods.split(",") if m not in {w.method for w in found.work}]
+    if found.devices != devices or missing:
+      raise ValueError(f"--calibration {args.calibration!r} is of {found.devices} devices and "
+                       f"methods {[w.method for w in found.work]}: these hosts have {devices} "
+                       f"devices{f' and it lacks {missing}' if missing else ''}")
+
+
 def _check_args(args) -> list[tuple[str, str | None]]:
   """Every argument checked before anything is built; -> the (rate, inter-node rate) settings."""
   netns.check_topology(args.hosts, args.nodes, args.delay, args.burst)
@@ -214,7 +250,8 @@ def _check_args(args) -> list[tuple[str, str | None]]:
     netns.rate_bits(r)
   if not args.exchange_only:
     _check_training(args)
-  for option, path in (("--json", args.json), ("--png", args.png)):
+  _check_calibration(args, rates)
+  for option, path in (("--json", args.json), ("--png", args.png), ("--probe", args.probe)):
     if path is not None:
       check_writable(path, option)
   if args.json is not None and args.png is not None and \
@@ -254,6 +291,11 @@ def run_hosts(net: netns.Network, args, workdir: str) -> list[dict]:
     for i, host in enumerate(net.hosts):
       log = open(os.path.join(workdir, f"host{i}.log"), "w+")
       logs.append(log)
+      if args.probe is not None:
+        procs.append(subprocess.Popen(_probe_command(net, args, i, coordinator), stdout=log,
+                                      stderr=subprocess.STDOUT, env=env,
+                                      preexec_fn=_die_with_parent))
+        continue
       cmd = [*net.exec_prefix(i), sys.executable, "-m", "loco_jax.apps.netbench_worker",
              "--process-id", str(i), "--hosts", str(len(net.hosts)),
              "--coordinator", coordinator, "--address", host.address,
@@ -303,6 +345,16 @@ def run_hosts(net: netns.Network, args, workdir: str) -> list[dict]:
       log.close()
 
 
+def _probe_command(net: netns.Network, args, i: int, coordinator: str) -> list[str]:
+  """Host i's `loco-jax probe`, joined to the others as training would be."""
+  host = net.hosts[i]
+  return [*net.exec_prefix(i), sys.executable, "-m", "loco_jax.apps.probe", "--out", args.probe,
+          "--coordinator", coordinator, "--processes", str(len(net.hosts)), "--process-id",
+          str(i), "--address", host.address, "--cpu-devices", str(args.devices_per_host),
+          "--methods", args.methods, "--timeout", str(args.timeout),
+          *shlex.split(args.probe_args)]
+
+
 def _tail(log, chars: int = 3000) -> str:
   log.flush()
   log.seek(0)
@@ -324,6 +376,10 @@ def _measure_all(args, settings: list[tuple[str, str | None]]) -> list[dict]:
     if stale:
       print(f"removed {len(stale)} namespaces left by an earlier run: {', '.join(stale)}")
     records, malloc = [], host_env(args.host_malloc).get("GLIBC_TUNABLES", "")
+    calibration = None
+    if args.calibration is not None:
+      from loco_jax.apps import calibration as calib
+      calibration = calib.read(args.calibration)
     with tempfile.TemporaryDirectory(prefix="netbench-") as workdir:
       for rate, inter_rate in settings:
         with netns.Network(args.hosts, rate, args.delay, args.burst, args.nodes,
@@ -333,8 +389,11 @@ def _measure_all(args, settings: list[tuple[str, str | None]]) -> list[dict]:
           # The shaper's calibration: what one TCP stream carries on the link the rate is of.
           tcp = net.tcp_goodput(0, net.hosts_per_node if args.nodes > 1 else 1)
           results = run_hosts(net, args, workdir)
+          if args.probe is not None:
+            print(f"wrote the calibration {args.probe}")
+            continue
           exchanges = report.summarize(results, args.hosts, rate, args.params, args.nodes,
-                                       inter_rate)
+                                       inter_rate, calibration)
           records += [dict(r, link_tcp_bits_per_s=tcp) for r in exchanges]
           if not args.exchange_only:
             records += report.summarize_training(results, args.hosts, rate)
@@ -401,6 +460,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   except (RuntimeError, TimeoutError) as e:
     print(f"netbench: {e}", file=sys.stderr)
     return 1
+  if args.probe is not None:
+    return 0
   exchanges = [r for r in records if r.get("kind") != "train"]
   training = [r for r in records if r.get("kind") == "train"]
   _print_tables(args, exchanges, training)

@@ -16,11 +16,14 @@ import time
 from typing import Callable, Sequence
 
 from loco_jax.apps import calibration as calib
-from loco_jax.apps import netbench_methods
+from loco_jax.apps import netbench_methods, step_model
 from loco_jax.apps.netbench_methods import FLAT_DEFAULT, METHODS
 
 SIZES = tuple(2**k for k in (12, 15, 18, 20, 22, 24, 26))   # buffer bytes, smallest first
-WORK_PARAMS = (2**18, 2**20)
+# The work is a step's time less its collectives': at sizes where it is milliseconds, not the
+# noise of a TCP round trip (at 2**18 parameters, 2 hosts at 1 Gb/s, loco's was lost in it).
+WORK_PARAMS = (2**20, 2**22)
+HEARTBEAT_TIMEOUT_S = 120   # busy shared cores delay heartbeats (netbench_worker's, likewise)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -42,9 +45,21 @@ def _parser() -> argparse.ArgumentParser:
                  help="buffer bytes at which each collective is timed, increasing")
   p.add_argument("--max-call-s", type=float, default=1.0,
                  help="stop a collective's sizes after the first whose call takes this long")
+  p.add_argument("--max-step-s", type=float, default=2.0,
+                 help="skip a --work-params size (but the first) whose collectives alone would "
+                      "take longer a step, by the collectives' timings")
   p.add_argument("--repeats", type=int, default=5, help="timed calls per point (the median)")
   p.add_argument("--timeout", type=int, default=1800, help="seconds before a process gives up")
   return p
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+  """The probe's options; a ValueError (not an exit) for ones its parser does not take."""
+  parser = _parser()
+  args, unknown = parser.parse_known_args(argv)
+  if unknown:
+    raise ValueError(f"unknown probe options {unknown}; `loco-jax probe --help` lists them")
+  return args
 
 
 def _ints(text: str, option: str) -> tuple[int, ...]:
@@ -70,9 +85,9 @@ def check_args(args) -> None:
                      f"{args.processes} (>= 1), got {args.process_id}")
   if args.processes > 1 and not args.coordinator:
     raise ValueError("--coordinator ADDRESS:PORT is needed with --processes > 1")
-  if args.repeats < 1 or args.timeout < 1 or not args.max_call_s > 0:
-    raise ValueError(f"--repeats and --timeout must be >= 1 and --max-call-s > 0, got "
-                     f"{args.repeats}, {args.timeout}, {args.max_call_s}")
+  if args.repeats < 1 or args.timeout < 1 or not args.max_call_s > 0 or not args.max_step_s > 0:
+    raise ValueError(f"--repeats and --timeout must be >= 1, --max-call-s and --max-step-s > 0, "
+                     f"got {args.repeats}, {args.timeout}, {args.max_call_s}, {args.max_step_s}")
   if args.cpu_devices is not None and args.cpu_devices < 1:
     raise ValueError(f"--cpu-devices must be >= 1, got {args.cpu_devices}")
   if args.process_id == 0:
@@ -158,22 +173,26 @@ def measure_collective(job: _Job, op: str, dtype: str, sizes: Sequence[int], rep
                                 tuple(seconds))
 
 
-def measure_work(job: _Job, method: str, params: Sequence[int],
-                 repeats: int) -> calib.MethodWork:
-  """`method`'s step less its collectives replayed alone, at each size (slowest process)."""
-  seconds = []
+def measure_work(job: _Job, method: str, params: Sequence[int], repeats: int,
+                 timings: calib.Calibration, max_step_s: float) -> calib.MethodWork:
+  """`method`'s step less its collectives replayed alone, at each size (slowest process);
+  a size after the first is skipped where `timings` put its collectives over `max_step_s`."""
+  seconds, measured = [], []
   for n_params in params:
     run, found = _compiled(job, method, n_params)
+    if measured and sum(step_model.wire_seconds(timings, found)) > max_step_s:
+      break
+    measured.append(n_params)
     step_s = job.slowest(_median_s(run, repeats))
     replay, ones = netbench_methods.collectives_replay(found, job.mesh), job.ones()
     collectives_s = job.slowest(_median_s(lambda: replay(ones), repeats))
     seconds.append(max(step_s - collectives_s, 0.0))
-  return calib.MethodWork(method, tuple(params), tuple(seconds))
+  return calib.MethodWork(method, tuple(measured), tuple(seconds))
 
 
 def probe(methods: Sequence[str], work_params: Sequence[int] = WORK_PARAMS,
           sizes: Sequence[int] = SIZES, repeats: int = 5, max_call_s: float = 1.0,
-          note: str = "") -> calib.Calibration:
+          max_step_s: float = 2.0, note: str = "") -> calib.Calibration:
   """Measures the calibration on this job's devices (every process calls it alike)."""
   import jax
   job = _Job()
@@ -184,9 +203,10 @@ def probe(methods: Sequence[str], work_params: Sequence[int] = WORK_PARAMS,
         ops.setdefault((c.op, calib.key_dtype(c.op, c.dtype)), c.dtype)
   timings = [measure_collective(job, op, dtype, sizes, repeats, max_call_s)
              for (op, _), dtype in ops.items()]
-  work = [measure_work(job, m, work_params, repeats) for m in methods]
-  return calib.Calibration(jax.process_count(), jax.device_count(), jax.default_backend(),
-                           tuple(timings), tuple(work), note)
+  measured = calib.Calibration(jax.process_count(), jax.device_count(), jax.default_backend(),
+                               tuple(timings), (), note)
+  work = [measure_work(job, m, work_params, repeats, measured, max_step_s) for m in methods]
+  return measured._replace(work=tuple(work))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -204,10 +224,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     from loco_jax.train import parallel
     parallel.initialize(args.coordinator, args.processes, args.process_id,
                         gloo_hostname=args.address,
-                        initialization_timeout=min(args.timeout, 120))
+                        initialization_timeout=min(args.timeout, 120),
+                        heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S)
   started = time.perf_counter()
   result = probe(args.methods.split(","), _ints(args.work_params, "--work-params"),
-                 _ints(args.sizes, "--sizes"), args.repeats, args.max_call_s,
+                 _ints(args.sizes, "--sizes"), args.repeats, args.max_call_s, args.max_step_s,
                  note=f"loco-jax probe {' '.join(argv if argv is not None else sys.argv[1:])}")
   if args.process_id == 0:
     calib.write(args.out, result)

@@ -3,7 +3,7 @@
 A step's seconds = each collective the compiled program runs every step, at the calibrated
 seconds of its op over its group at its buffer size (piecewise linear between the probed sizes,
 the last segment's rate beyond them), plus the method's work outside the collectives (linear in
-the parameters through the probed sizes), less what overlaps: collectives that the compiled
+the parameters, fitted to the probed sizes), less what overlaps: collectives that the compiled
 program starts asynchronously, with work scheduled before they finish, hide behind that work.
 Nothing in it is set by hand: every number comes from `loco-jax probe` (`calibration`).
 """
@@ -59,15 +59,35 @@ def find_timing(calibration: calib.Calibration, op: str, dtype: str,
                    f"devices; it holds {', '.join(held) or 'none'}: probe that collective")
 
 
-def work_seconds(work: calib.MethodWork, n_params: int) -> float:
-  """The method's work outside its collectives at `n_params`, linear through the probed sizes
-  (through zero with one size), never below zero.
+def work_line(work: calib.MethodWork) -> tuple[float, float]:
+  """(seconds a step, seconds a parameter) of a method's work: the least-squares line through
+  its probed sizes, held to a non-negative intercept and slope (one size: through zero).
 
   Example:
-    >>> work_seconds(calib.MethodWork("loco", (2**18, 2**20), (0.004, 0.013)), 2**22)
-    0.049
+    >>> work_line(calib.MethodWork("loco", (2**20, 2**22), (0.006, 0.024)))
+    (0.0, 5.7220458984375e-09)
   """
-  return max(_interpolate(work.n_params, work.seconds, n_params, floor=False), 0.0)
+  xs, ys = work.n_params, work.seconds
+  if len(xs) > 1:
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    intercept = my - slope * mx
+    if slope >= 0 and intercept >= 0:
+      return intercept, slope
+    if slope < 0:   # noise: no growth with size to see, a constant
+      return max(my, 0.0), 0.0
+  return 0.0, sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs)
+
+
+def work_seconds(work: calib.MethodWork, n_params: int) -> float:
+  """The method's work outside its collectives at `n_params` (`work_line`).
+
+  Example:
+    >>> round(work_seconds(calib.MethodWork("loco", (2**20, 2**22), (0.007, 0.025)), 2**24), 4)
+    0.097
+  """
+  intercept, per_param = work_line(work)
+  return intercept + per_param * n_params
 
 
 def find_work(calibration: calib.Calibration, method: str) -> calib.MethodWork:
@@ -79,30 +99,32 @@ def find_work(calibration: calib.Calibration, method: str) -> calib.MethodWork:
                    f"{', '.join(w.method for w in calibration.work) or 'none'}: probe it")
 
 
-def predict(calibration: calib.Calibration, method: str, found: Sequence, n_params: int,
-            overlapped: Sequence[bool] | None = None) -> StepPrediction:
-  """The predicted exchange step of `method` at `n_params`, from its compiled collectives.
+def wire_seconds(calibration: calib.Calibration, found: Sequence,
+                 overlapped: Sequence[bool] | None = None) -> tuple[float, float]:
+  """(seconds of the synchronous collectives, of the overlapped ones) of one step.
 
   found: `comm.collectives_per_step` of the step's compiled program (op, dtype, nbytes,
   group_size, conditional). The conditional ones (CO3's raw resend after an overflow) are left
-  out, as a step that runs them is the exception. overlapped: per collective, whether it runs
-  asynchronously with work scheduled before its end (`comm.async_collectives`); those hide
-  behind the work, up to all of it.
+  out: a step that runs them is the exception. overlapped: per collective, whether it runs
+  asynchronously with work scheduled before its end (`comm.async_collectives`).
   """
   overlapped = overlapped or [False] * len(found)
   if len(overlapped) != len(found):
     raise ValueError(f"overlapped must have one flag a collective ({len(found)}), got "
                      f"{len(overlapped)}")
-  synchronous = asynchronous = 0.0
+  seconds = [0.0, 0.0]
   for c, hidden in zip(found, overlapped):
-    if c.conditional or c.group_size < 2:
-      continue
-    seconds = collective_seconds(find_timing(calibration, c.op, c.dtype, c.group_size),
-                                 c.nbytes)
-    if hidden:
-      asynchronous += seconds
-    else:
-      synchronous += seconds
+    if not c.conditional and c.group_size > 1:
+      timing = find_timing(calibration, c.op, c.dtype, c.group_size)
+      seconds[bool(hidden)] += collective_seconds(timing, c.nbytes)
+  return seconds[0], seconds[1]
+
+
+def predict(calibration: calib.Calibration, method: str, found: Sequence, n_params: int,
+            overlapped: Sequence[bool] | None = None) -> StepPrediction:
+  """The predicted exchange step of `method` at `n_params`, from its compiled collectives
+  (`wire_seconds`): the overlapped ones hide behind the method's work, up to all of it."""
+  synchronous, asynchronous = wire_seconds(calibration, found, overlapped)
   work = work_seconds(find_work(calibration, method), n_params)
   hidden_s = min(asynchronous, work)
   return StepPrediction(synchronous + asynchronous + work - hidden_s,
