@@ -190,6 +190,12 @@ def measure_work(job: _Job, method: str, params: Sequence[int], repeats: int,
   return calib.MethodWork(method, tuple(measured), tuple(seconds))
 
 
+def _progress(line: str) -> None:
+  import jax
+  if jax.process_index() == 0:
+    print(f"probe: {line}", file=sys.stderr, flush=True)
+
+
 def probe(methods: Sequence[str], work_params: Sequence[int] = WORK_PARAMS,
           sizes: Sequence[int] = SIZES, repeats: int = 5, max_call_s: float = 1.0,
           max_step_s: float = 2.0, note: str = "") -> calib.Calibration:
@@ -201,11 +207,18 @@ def probe(methods: Sequence[str], work_params: Sequence[int] = WORK_PARAMS,
     for c in _compiled(job, method, work_params[0])[1]:
       if c.group_size > 1:
         ops.setdefault((c.op, calib.key_dtype(c.op, c.dtype)), c.dtype)
-  timings = [measure_collective(job, op, dtype, sizes, repeats, max_call_s)
-             for (op, _), dtype in ops.items()]
+  timings = []
+  for (op, _), dtype in ops.items():
+    timings.append(measure_collective(job, op, dtype, sizes, repeats, max_call_s))
+    _progress(f"{op} ({timings[-1].dtype}): " + ", ".join(
+        f"{b} B {s * 1e3:.2f} ms" for b, s in zip(timings[-1].nbytes, timings[-1].seconds)))
   measured = calib.Calibration(jax.process_count(), jax.device_count(), jax.default_backend(),
                                tuple(timings), (), note)
-  work = [measure_work(job, m, work_params, repeats, measured, max_step_s) for m in methods]
+  work = []
+  for method in methods:
+    work.append(measure_work(job, method, work_params, repeats, measured, max_step_s))
+    _progress(f"{method} work: " + ", ".join(
+        f"{n} params {s * 1e3:.2f} ms" for n, s in zip(work[-1].n_params, work[-1].seconds)))
   return measured._replace(work=tuple(work))
 
 
