@@ -66,7 +66,7 @@ def _calibration(devices: int = 4) -> calib.Calibration:
                                     ("all-gather", "*")))
   work = tuple(calib.MethodWork(m, (2**16,), (w,)) for m, w in
                (("fp32", 0.0), ("bf16", 0.002), ("loco", 0.004)))
-  return calib.Calibration(devices, devices, "cpu", timings, work)
+  return calib.Calibration(devices, devices, "cpu", 0.0, timings, work)
 
 
 def test_advise_compiles_each_method_and_predicts_from_its_bytes():
@@ -77,9 +77,10 @@ def test_advise_compiles_each_method_and_predicts_from_its_bytes():
   assert rows["fp32"].bits_per_param == pytest.approx(48.0)
   assert rows["bf16"].bits_per_param == pytest.approx(24.0)
   assert 15 < rows["loco"].bits_per_param < 16
-  # The collectives' seconds follow their bytes: 1e-7 s a byte at these sizes.
-  assert rows["fp32"].prediction.collectives_s == pytest.approx(1e-3 + (2**18 - 1e3) * 1e-7,
-                                                                rel=1e-6)
+  # The collectives' seconds follow their bytes, on the calibration's line: one float32
+  # all-reduce of the 2**18-byte gradient.
+  assert rows["fp32"].prediction.collectives_s == pytest.approx(
+      1e-3 + (2**18 - 1e3) * (1.0 - 1e-3) / (1e7 - 1e3), rel=1e-6)
   assert rows["fp32"].vs_fp32 == 1.0
   assert rows["loco"].prediction.work_s == pytest.approx(0.004)
   assert advice.recommended in rows and rows[advice.recommended].fidelity.holds

@@ -13,8 +13,8 @@ from loco_jax.apps import step_model
 GATHER = calib.CollectiveTiming("all-gather", "*", 4, (1e3, 1e6, 4e6), (0.001, 0.020, 0.080))
 SUM = calib.CollectiveTiming("all-reduce", "f32", 4, (4e3, 4e6), (0.002, 0.100))
 LOCO = calib.MethodWork("loco", (2**20, 2**22), (0.010, 0.034))
-CAL = calib.Calibration(4, 4, "cpu", (GATHER, SUM), (LOCO, calib.MethodWork("fp32", (2**20,),
-                                                                         (0.001,))))
+CAL = calib.Calibration(4, 4, "cpu", 0.005, (GATHER, SUM),
+                        (LOCO, calib.MethodWork("fp32", (2**20,), (0.001,))))
 
 
 def test_collectives_interpolate_between_sizes_and_keep_the_last_rate_beyond():
@@ -42,13 +42,19 @@ def test_a_step_is_its_collectives_plus_the_methods_work():
            comm.Collective("all-gather", "u8", 4e6, 4, conditional=True),   # not every step
            comm.Collective("all-reduce", "s32", 4, 1)]                      # one device: free
   p = step_model.predict(CAL, "loco", found, 2**21)
-  assert p.collectives_s == pytest.approx(2 * 0.0400 + 0.100)
+  # Each collective at its calibrated cost in a sequence, and the first's extra once.
+  assert p.collectives_s == pytest.approx(2 * 0.0400 + 0.100 + 0.005)
   assert p.work_s == pytest.approx(0.018)
   assert p.step_s == pytest.approx(p.collectives_s + p.work_s) and p.hidden_s == 0
   # Overlapped collectives hide behind the work, up to all of it.
   hidden = step_model.predict(CAL, "loco", found, 2**21, [True, False, False, False, False])
   assert hidden.hidden_s == pytest.approx(0.018)
   assert hidden.step_s == pytest.approx(p.step_s - 0.018)
+
+
+def test_a_step_without_collectives_is_its_work_alone():
+  p = step_model.predict(CAL, "fp32", [comm.Collective("all-reduce", "f32", 4, 1)], 2**20)
+  assert p == step_model.StepPrediction(0.001, 0.0, 0.001, 0.0)
 
 
 def test_what_the_calibration_lacks_is_named_not_guessed():
@@ -68,6 +74,9 @@ def test_a_calibration_file_round_trips(tmp_path):
   assert [p.name for p in tmp_path.iterdir()] == ["cal.json"]
 
 
+_DELETE = object()
+
+
 def _good() -> dict:
   return calib.to_json(CAL)
 
@@ -82,11 +91,10 @@ def _set(obj, path, value):
     obj[last] = value
 
 
-_DELETE = object()
-
-
 @pytest.mark.parametrize("path,value,message", [
-    (("format",), "other/1", "'format' must be 'loco-jax-calibration/1'"),
+    (("format",), "loco-jax-calibration/1", "'format' must be 'loco-jax-calibration/2'"),
+    (("first_s",), -0.1, "'first_s' must be a finite number >= 0"),
+    (("first_s",), _DELETE, "missing field 'first_s'"),
     (("devices",), 2, "devices >= processes"),
     (("processes",), True, "'processes' must be int"),
     (("collectives", 0, "op"), "broadcast", "'op' must be one of"),

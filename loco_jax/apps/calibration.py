@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 
 from loco_jax.train import files
 
-FORMAT = "loco-jax-calibration/1"
+FORMAT = "loco-jax-calibration/2"   # 2: marginal timings and `first_s`
 OPS = ("all-reduce", "all-to-all", "all-gather", "reduce-scatter", "collective-permute")
 # Only a reduction's speed depends on its element type (gloo sums float32 and int32 in its own
 # loops); the others move bytes, whatever the bytes hold.
@@ -21,7 +21,8 @@ ANY_DTYPE = "*"
 
 
 class CollectiveTiming(NamedTuple):
-  """Median seconds of one collective op over `group_size` devices at increasing buffer sizes.
+  """Seconds one more collective of an op over `group_size` devices adds to a program that
+  already runs one, at increasing buffer sizes: what it costs inside a step's sequence.
 
   nbytes: the whole buffer, as `comm.Collective.nbytes` counts it (gathered or pre-scatter).
   dtype: the element type of a reduction ("f32"), or "*" for ops that only move bytes.
@@ -45,10 +46,15 @@ class MethodWork(NamedTuple):
 
 
 class Calibration(NamedTuple):
-  """What `probe` measured on one cluster: its size, its collectives and its methods' work."""
+  """What `probe` measured on one cluster: its size, its collectives and its methods' work.
+
+  first_s: what a program's first collective costs beyond the others (the processes meeting,
+  the shaper's burst), once a step.
+  """
   processes: int
   devices: int
   platform: str
+  first_s: float
   collectives: tuple[CollectiveTiming, ...]
   work: tuple[MethodWork, ...]
   note: str = ""
@@ -68,6 +74,7 @@ def to_json(calibration: Calibration) -> dict[str, Any]:
   """The calibration as a JSON-ready dict (`from_json` reads it back)."""
   return {"format": FORMAT, "processes": calibration.processes,
           "devices": calibration.devices, "platform": calibration.platform,
+          "first_s": calibration.first_s,
           "note": calibration.note,
           "collectives": [c._asdict() for c in calibration.collectives],
           "work": [w._asdict() for w in calibration.work]}
@@ -120,7 +127,7 @@ def from_json(obj: Any, source: str = "calibration") -> Calibration:
     op, dtype = _field(c, "op", str, where), _field(c, "dtype", str, where)
     if op not in OPS:
       raise ValueError(f"{where}: 'op' must be one of {OPS}, got {op!r:.40}")
-    if dtype != key_dtype(op, dtype) or not dtype:
+    if not dtype or dtype != key_dtype(op, dtype) or (op in REDUCING and dtype == ANY_DTYPE):
       raise ValueError(f"{where}: 'dtype' of a {op} must be "
                        f"{'its element type' if op in REDUCING else repr(ANY_DTYPE)}, got "
                        f"{dtype!r:.40}")
@@ -139,7 +146,10 @@ def from_json(obj: Any, source: str = "calibration") -> Calibration:
       raise ValueError(f"{where}: 'method' must be a new non-empty name, got {method!r:.40}")
     methods.add(method)
     work.append(MethodWork(method, *_series(w, "n_params", where, integer=True)))
-  return Calibration(processes, devices, _field(obj, "platform", str, source),
+  first_s = _field(obj, "first_s", (int, float), source)
+  if not math.isfinite(first_s) or first_s < 0:
+    raise ValueError(f"{source}: 'first_s' must be a finite number >= 0, got {first_s}")
+  return Calibration(processes, devices, _field(obj, "platform", str, source), float(first_s),
                      tuple(collectives), tuple(work), obj.get("note", "") if isinstance(
                          obj.get("note", ""), str) else "")
 

@@ -20,6 +20,7 @@ from loco_jax.apps import netbench_methods, step_model
 from loco_jax.apps.netbench_methods import FLAT_DEFAULT, METHODS
 
 SIZES = tuple(2**k for k in (12, 15, 18, 20, 22, 24, 26))   # buffer bytes, smallest first
+CHAIN = 3   # collectives in the program that times one more of them
 # The work is a step's time less its collectives': at sizes where it is milliseconds, not the
 # noise of a TCP round trip (at 2**18 parameters, 2 hosts at 1 Gb/s, loco's was lost in it).
 WORK_PARAMS = (2**20, 2**22)
@@ -43,12 +44,12 @@ def _parser() -> argparse.ArgumentParser:
                  help="parameters at which each method's work is timed, increasing")
   p.add_argument("--sizes", default=",".join(map(str, SIZES)),
                  help="buffer bytes at which each collective is timed, increasing")
-  p.add_argument("--max-call-s", type=float, default=1.0,
+  p.add_argument("--max-call-s", type=float, default=0.5,
                  help="stop a collective's sizes after the first whose call takes this long")
   p.add_argument("--max-step-s", type=float, default=2.0,
                  help="skip a --work-params size (but the first) whose collectives alone would "
                       "take longer a step, by the collectives' timings")
-  p.add_argument("--repeats", type=int, default=5, help="timed calls per point (the median)")
+  p.add_argument("--repeats", type=int, default=7, help="timed calls per point (the median)")
   p.add_argument("--timeout", type=int, default=1800, help="seconds before a process gives up")
   return p
 
@@ -156,21 +157,32 @@ def _compiled(job: _Job, method: str, n_params: int):
 
 
 def measure_collective(job: _Job, op: str, dtype: str, sizes: Sequence[int], repeats: int,
-                       max_call_s: float) -> calib.CollectiveTiming:
-  """`op` over every device at each size (the slowest process's median), until a call takes
-  `max_call_s` (every process stops at the same size)."""
+                       max_call_s: float) -> tuple[calib.CollectiveTiming, list[float]]:
+  """(`op` over every device at each size, what the first of a program costs more at each).
+
+  A step runs its collectives one after the other: one alone costs more (the processes meet
+  at it, the shaper's bucket refilled while it waited). So each size is timed as one call and
+  as CHAIN calls in one program (the slowest process's medians); the difference over CHAIN - 1
+  is one more call's cost. Sizes stop after the first whose single call takes `max_call_s`
+  (every process stops at the same size).
+  """
   from loco_jax import comm
-  n, measured, seconds = job.mesh.size, [], []
+  n, measured, seconds, firsts = job.mesh.size, [], [], []
   for nbytes in sizes:
     nbytes = max(nbytes - nbytes % (4 * n), 4 * n)   # whole elements, cut in n equal pieces
     one = comm.Collective(op, dtype if op in calib.REDUCING else "u8", nbytes, n)
-    replay, ones = netbench_methods.collectives_replay([one], job.mesh), job.ones()
-    seconds.append(job.slowest(_median_s(lambda: replay(ones), repeats)))
+    times = []
+    for k in (1, CHAIN):
+      replay, ones = netbench_methods.collectives_replay([one] * k, job.mesh), job.ones()
+      times.append(job.slowest(_median_s(lambda: replay(ones), repeats)))
+    alone, chained = times
+    seconds.append(max((chained - alone) / (CHAIN - 1), 0.0))
+    firsts.append(alone - seconds[-1])
     measured.append(nbytes)
-    if seconds[-1] >= max_call_s:
+    if alone >= max_call_s:
       break
-  return calib.CollectiveTiming(op, calib.key_dtype(op, dtype), n, tuple(measured),
-                                tuple(seconds))
+  return (calib.CollectiveTiming(op, calib.key_dtype(op, dtype), n, tuple(measured),
+                                 tuple(seconds)), firsts)
 
 
 def measure_work(job: _Job, method: str, params: Sequence[int], repeats: int,
@@ -197,7 +209,7 @@ def _progress(line: str) -> None:
 
 
 def probe(methods: Sequence[str], work_params: Sequence[int] = WORK_PARAMS,
-          sizes: Sequence[int] = SIZES, repeats: int = 5, max_call_s: float = 1.0,
+          sizes: Sequence[int] = SIZES, repeats: int = 7, max_call_s: float = 0.5,
           max_step_s: float = 2.0, note: str = "") -> calib.Calibration:
   """Measures the calibration on this job's devices (every process calls it alike)."""
   import jax
@@ -207,13 +219,15 @@ def probe(methods: Sequence[str], work_params: Sequence[int] = WORK_PARAMS,
     for c in _compiled(job, method, work_params[0])[1]:
       if c.group_size > 1:
         ops.setdefault((c.op, calib.key_dtype(c.op, c.dtype)), c.dtype)
-  timings = []
+  timings, firsts = [], []
   for (op, _), dtype in ops.items():
-    timings.append(measure_collective(job, op, dtype, sizes, repeats, max_call_s))
+    timing, first = measure_collective(job, op, dtype, sizes, repeats, max_call_s)
+    timings.append(timing)
+    firsts += first
     _progress(f"{op} ({timings[-1].dtype}): " + ", ".join(
         f"{b} B {s * 1e3:.2f} ms" for b, s in zip(timings[-1].nbytes, timings[-1].seconds)))
   measured = calib.Calibration(jax.process_count(), jax.device_count(), jax.default_backend(),
-                               tuple(timings), (), note)
+                               max(statistics.median(firsts), 0.0), tuple(timings), (), note)
   work = []
   for method in methods:
     work.append(measure_work(job, method, work_params, repeats, measured, max_step_s))

@@ -2,7 +2,8 @@
 
 A step's seconds = each collective the compiled program runs every step, at the calibrated
 seconds of its op over its group at its buffer size (piecewise linear between the probed sizes,
-the last segment's rate beyond them), plus the method's work outside the collectives (linear in
+the last segment's rate beyond them), plus what the first of them costs more, plus the
+method's work outside the collectives (linear in
 the parameters, fitted to the probed sizes), less what overlaps: collectives that the compiled
 program starts asynchronously, with work scheduled before they finish, hide behind that work.
 Nothing in it is set by hand: every number comes from `loco-jax probe` (`calibration`).
@@ -125,6 +126,8 @@ def predict(calibration: calib.Calibration, method: str, found: Sequence, n_para
   """The predicted exchange step of `method` at `n_params`, from its compiled collectives
   (`wire_seconds`): the overlapped ones hide behind the method's work, up to all of it."""
   synchronous, asynchronous = wire_seconds(calibration, found, overlapped)
+  if any(not c.conditional and c.group_size > 1 for c in found):
+    synchronous += calibration.first_s
   work = work_seconds(find_work(calibration, method), n_params)
   hidden_s = min(asynchronous, work)
   return StepPrediction(synchronous + asynchronous + work - hidden_s,
