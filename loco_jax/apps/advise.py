@@ -32,6 +32,7 @@ class MethodAdvice(NamedTuple):
 
 
 class Advice(NamedTuple):
+  """Every method's row, the recommended method and the reason for it."""
   rows: tuple[MethodAdvice, ...]
   recommended: str
   why: str
