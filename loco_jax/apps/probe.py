@@ -19,7 +19,10 @@ from loco_jax.apps import calibration as calib
 from loco_jax.apps import netbench_methods, step_model
 from loco_jax.apps.netbench_methods import FLAT_DEFAULT, METHODS
 
-SIZES = tuple(2**k for k in (12, 15, 18, 20, 22, 24, 26))   # buffer bytes, smallest first
+# Buffer bytes, smallest first: dense where the steps' pieces are (wire chunking cuts them to
+# 0.4-1 MB), where a collective's time is far from linear in its bytes (2 hosts at 100 Mb/s:
+# interpolating between 256 KB and 1 MB put bf16's 512 KB pieces 16% over their time).
+SIZES = tuple(2**k for k in (12, 15, 17, 18, 19, 20, 21, 22, 23, 24, 26))
 CHAIN = 3   # collectives in the program that times one more of them
 # The work is a step's time less its collectives': at sizes where it is milliseconds, not the
 # noise of a TCP round trip (at 2**18 parameters, 2 hosts at 1 Gb/s, loco's was lost in it).
