@@ -110,6 +110,7 @@ def _set(obj, path, value):
     (("work", 0, "n_params"), [1.5, 3], "finite integers >= 0"),
     (("work", 1, "method"), "loco", "must be a new non-empty name"),
     (("work",), "none", "'work' must be list"),
+    (("note",), 3, "'note' must be str"),
 ])
 def test_a_bad_calibration_file_is_a_value_error_naming_the_field(tmp_path, path, value, message):
   obj = _good()

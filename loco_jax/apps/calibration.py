@@ -85,8 +85,9 @@ def _field(obj: dict, name: str, kind: type | tuple[type, ...], where: str) -> A
     raise ValueError(f"{where}: missing field {name!r}")
   value = obj[name]
   if not isinstance(value, kind) or isinstance(value, bool):
-    raise ValueError(f"{where}: {name!r} must be {getattr(kind, '__name__', kind)}, got "
-                     f"{value!r:.80}")
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    raise ValueError(f"{where}: {name!r} must be {' or '.join(k.__name__ for k in kinds)}, "
+                     f"got {value!r:.80}")
   return value
 
 
@@ -149,9 +150,9 @@ def from_json(obj: Any, source: str = "calibration") -> Calibration:
   first_s = _field(obj, "first_s", (int, float), source)
   if not math.isfinite(first_s) or first_s < 0:
     raise ValueError(f"{source}: 'first_s' must be a finite number >= 0, got {first_s}")
+  note = _field(obj, "note", str, source) if "note" in obj else ""
   return Calibration(processes, devices, _field(obj, "platform", str, source), float(first_s),
-                     tuple(collectives), tuple(work), obj.get("note", "") if isinstance(
-                         obj.get("note", ""), str) else "")
+                     tuple(collectives), tuple(work), note)
 
 
 def read(path: str | os.PathLike) -> Calibration:
