@@ -111,6 +111,8 @@ def _set(obj, path, value):
     (("work", 1, "method"), "loco", "must be a new non-empty name"),
     (("work",), "none", "'work' must be list"),
     (("note",), 3, "'note' must be str"),
+    (("chunk_bytes",), 0, "'chunk_bytes' must be a positive int or null"),
+    (("chunk_bytes",), _DELETE, "missing field 'chunk_bytes'"),
 ])
 def test_a_bad_calibration_file_is_a_value_error_naming_the_field(tmp_path, path, value, message):
   obj = _good()

@@ -50,11 +50,14 @@ def stored_calibration(hosts: int, rate: str) -> Path:
   return path
 
 
-def compiled_collectives(method: str, n_params: int, devices: int) -> list:
-  """The collectives one exchange step of `method` runs on `devices` devices (compiled here:
-  this process needs that many, e.g. jax_num_cpu_devices)."""
+def compiled_collectives(method: str, n_params: int, devices: int,
+                         chunk_bytes: int | None) -> list:
+  """The collectives one exchange step of `method` runs on `devices` devices, its collectives
+  cut as the cluster cuts them (`chunk_bytes`, `comm.wire.chunking`). Compiled here: this
+  process needs that many devices, e.g. jax_num_cpu_devices."""
   import jax
   from loco_jax import comm
+  from loco_jax.comm import wire
   from loco_jax.apps import netbench_methods
   from loco_jax.train import parallel
   if jax.device_count() < devices:
@@ -64,7 +67,8 @@ def compiled_collectives(method: str, n_params: int, devices: int) -> list:
   step, state = netbench_methods.exchange_step(method, n_params, mesh)
   grads = jax.ShapeDtypeStruct((devices, n_params), jax.numpy.float32,
                                sharding=jax.sharding.NamedSharding(mesh, jax.P("data")))
-  text = step.lower(grads, state).compile().as_text()
+  with wire.chunking(chunk_bytes):   # at trace time, where the pieces are cut
+    text = step.lower(grads, state).compile().as_text()
   return comm.collectives_per_step(text, devices)
 
 
@@ -104,7 +108,8 @@ def advise(calibration: calib.Calibration, n_params: int, methods: Sequence[str]
   fidelities = fidelity_lib.fidelity(methods, max_gap_pct, records)
   predicted = {}
   for method in methods:
-    found = compiled_collectives(method, n_params, calibration.devices)
+    found = compiled_collectives(method, n_params, calibration.devices,
+                                 calibration.chunk_bytes)
     predicted[method] = (step_model.predict(calibration, method, found, n_params),
                          comm.wire_bits_per_param(found, n_params))
   fp32_s = predicted["fp32"][0].step_s
@@ -163,9 +168,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.margin >= 0:
       raise ValueError(f"--margin must be >= 0, got {args.margin}")
     calibration = _calibration(args)
-    import jax   # before anything starts jax's backend
-    jax.config.update("jax_platforms", "cpu")
-    jax.config.update("jax_num_cpu_devices", calibration.devices)
+    import jax
+    try:   # XLA:CPU with the calibration's devices, where jax has not started yet
+      jax.config.update("jax_platforms", "cpu")
+      jax.config.update("jax_num_cpu_devices", calibration.devices)
+    except RuntimeError:   # started (a caller's process): compiled_collectives checks its devices
+      pass
     advice = advise(calibration, args.params, args.methods and args.methods.split(","),
                     args.max_gap, args.margin)
   except ValueError as e:

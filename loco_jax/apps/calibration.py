@@ -49,7 +49,8 @@ class Calibration(NamedTuple):
   """What `probe` measured on one cluster: its size, its collectives and its methods' work.
 
   first_s: what a program's first collective costs beyond the others (the processes meeting,
-  the shaper's burst), once a step.
+  the shaper's burst), once a step. chunk_bytes: the most bytes a collective piece sent a peer
+  there (`comm.wire.chunk_bytes`; None: whole), which decides the pieces a step compiles to.
   """
   processes: int
   devices: int
@@ -58,6 +59,7 @@ class Calibration(NamedTuple):
   collectives: tuple[CollectiveTiming, ...]
   work: tuple[MethodWork, ...]
   note: str = ""
+  chunk_bytes: int | None = None
 
 
 def key_dtype(op: str, dtype: str) -> str:
@@ -74,7 +76,7 @@ def to_json(calibration: Calibration) -> dict[str, Any]:
   """The calibration as a JSON-ready dict (`from_json` reads it back)."""
   return {"format": FORMAT, "processes": calibration.processes,
           "devices": calibration.devices, "platform": calibration.platform,
-          "first_s": calibration.first_s,
+          "first_s": calibration.first_s, "chunk_bytes": calibration.chunk_bytes,
           "note": calibration.note,
           "collectives": [c._asdict() for c in calibration.collectives],
           "work": [w._asdict() for w in calibration.work]}
@@ -151,8 +153,13 @@ def from_json(obj: Any, source: str = "calibration") -> Calibration:
   if not math.isfinite(first_s) or first_s < 0:
     raise ValueError(f"{source}: 'first_s' must be a finite number >= 0, got {first_s}")
   note = _field(obj, "note", str, source) if "note" in obj else ""
+  if "chunk_bytes" not in obj:
+    raise ValueError(f"{source}: missing field 'chunk_bytes'")
+  chunk = obj["chunk_bytes"]
+  if chunk is not None and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1):
+    raise ValueError(f"{source}: 'chunk_bytes' must be a positive int or null, got {chunk!r:.40}")
   return Calibration(processes, devices, _field(obj, "platform", str, source), float(first_s),
-                     tuple(collectives), tuple(work), note)
+                     tuple(collectives), tuple(work), note, chunk)
 
 
 def read(path: str | os.PathLike) -> Calibration:

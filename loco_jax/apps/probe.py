@@ -229,8 +229,10 @@ def probe(methods: Sequence[str], work_params: Sequence[int] = WORK_PARAMS,
     firsts += first
     _progress(f"{op} ({timings[-1].dtype}): " + ", ".join(
         f"{b} B {s * 1e3:.2f} ms" for b, s in zip(timings[-1].nbytes, timings[-1].seconds)))
+  from loco_jax.comm import wire
   measured = calib.Calibration(jax.process_count(), jax.device_count(), jax.default_backend(),
-                               max(statistics.median(firsts), 0.0), tuple(timings), (), note)
+                               max(statistics.median(firsts), 0.0), tuple(timings), (), note,
+                               wire.chunk_bytes())
   work = []
   for method in methods:
     work.append(measure_work(job, method, work_params, repeats, measured, max_step_s))
