@@ -9,6 +9,7 @@ difference is the method's work. Process 0 writes the calibration (docs/guides/a
 
 import argparse
 import json
+import math
 import signal
 import statistics
 import sys
@@ -23,7 +24,9 @@ from loco_jax.apps.netbench_methods import FLAT_DEFAULT, METHODS
 # 0.4-1 MB), where a collective's time is far from linear in its bytes (2 hosts at 100 Mb/s:
 # interpolating between 256 KB and 1 MB put bf16's 512 KB pieces 16% over their time).
 SIZES = tuple(2**k for k in (12, 15, 17, 18, 19, 20, 21, 22, 23, 24, 26))
-CHAIN = 3   # collectives in the program that times one more of them
+CHAIN = 4   # collectives in the program that times one more of them
+MIN_SAMPLE_S = 1.0   # seconds of timed calls a point holds at least: more repeats where fast
+MAX_REPEATS = 60
 # The work is a step's time less its collectives': at sizes where it is milliseconds, not the
 # noise of a TCP round trip (at 2**18 parameters, 2 hosts at 1 Gb/s, loco's was lost in it).
 WORK_PARAMS = (2**20, 2**22)
@@ -99,16 +102,26 @@ def check_args(args) -> None:
     check_writable(args.out, "--out")
 
 
-def _median_s(fn: Callable[[], object], repeats: int) -> float:
-  """Median wall seconds of `fn()` (blocked until ready), after one untimed call."""
+def _rounds(job: "_Job", fns: Sequence[Callable[[], object]], repeats: int) -> list[list[float]]:
+  """Wall seconds of each of `fns`, called in turn, round after round (interleaved: a drift of
+  the machine hits them alike). As many rounds as every process agrees on: at least
+  `repeats`, more where a round is short, up to MAX_REPEATS, so that a point holds about
+  MIN_SAMPLE_S of calls."""
   import jax
-  jax.block_until_ready(fn())
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
+  for fn in fns:   # compiled and warm
     jax.block_until_ready(fn())
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
+  start = time.perf_counter()
+  for fn in fns:
+    jax.block_until_ready(fn())
+  round_s = job.slowest(time.perf_counter() - start)
+  count = int(min(MAX_REPEATS, max(repeats, math.ceil(MIN_SAMPLE_S / max(round_s, 1e-6)))))
+  times: list[list[float]] = [[] for _ in fns]
+  for _ in range(count):
+    for fn, seconds in zip(fns, times):
+      start = time.perf_counter()
+      jax.block_until_ready(fn())
+      seconds.append(time.perf_counter() - start)
+  return times
 
 
 class _Job:
@@ -165,8 +178,8 @@ def measure_collective(job: _Job, op: str, dtype: str, sizes: Sequence[int], rep
 
   A step runs its collectives one after the other: one alone costs more (the processes meet
   at it, the shaper's bucket refilled while it waited). So each size is timed as one call and
-  as CHAIN calls in one program (the slowest process's medians); the difference over CHAIN - 1
-  is one more call's cost. Sizes stop after the first whose single call takes `max_call_s`
+  as CHAIN calls in one program, in turn (`_rounds`); the median difference over CHAIN - 1 is
+  one more call's cost (the slowest process's). Sizes stop after the first whose single call takes `max_call_s`
   (every process stops at the same size).
   """
   from loco_jax import comm
@@ -174,15 +187,15 @@ def measure_collective(job: _Job, op: str, dtype: str, sizes: Sequence[int], rep
   for nbytes in sizes:
     nbytes = max(nbytes - nbytes % (4 * n), 4 * n)   # whole elements, cut in n equal pieces
     one = comm.Collective(op, dtype if op in calib.REDUCING else "u8", nbytes, n)
-    times = []
-    for k in (1, CHAIN):
-      replay, ones = netbench_methods.collectives_replay([one] * k, job.mesh), job.ones()
-      times.append(job.slowest(_median_s(lambda: replay(ones), repeats)))
-    alone, chained = times
-    seconds.append(max((chained - alone) / (CHAIN - 1), 0.0))
-    firsts.append(alone - seconds[-1])
+    alone, chained = (netbench_methods.collectives_replay([one] * k, job.mesh)
+                      for k in (1, CHAIN))
+    ones = job.ones()
+    single, chain = _rounds(job, [lambda: alone(ones), lambda: chained(ones)], repeats)
+    seconds.append(job.slowest(max(statistics.median(
+        (c - a) / (CHAIN - 1) for a, c in zip(single, chain)), 0.0)))
+    firsts.append(job.slowest(statistics.median(single)) - seconds[-1])
     measured.append(nbytes)
-    if alone >= max_call_s:
+    if firsts[-1] + seconds[-1] >= max_call_s:   # a single call's time
       break
   return (calib.CollectiveTiming(op, calib.key_dtype(op, dtype), n, tuple(measured),
                                  tuple(seconds)), firsts)
@@ -190,7 +203,8 @@ def measure_collective(job: _Job, op: str, dtype: str, sizes: Sequence[int], rep
 
 def measure_work(job: _Job, method: str, params: Sequence[int], repeats: int,
                  timings: calib.Calibration, max_step_s: float) -> calib.MethodWork:
-  """`method`'s step less its collectives replayed alone, at each size (slowest process);
+  """`method`'s step less its collectives replayed alone (the median of the differences of
+  interleaved calls, the slowest process's), at each size;
   a size after the first is skipped where `timings` put its collectives over `max_step_s`."""
   seconds, measured = [], []
   for n_params in params:
@@ -198,10 +212,10 @@ def measure_work(job: _Job, method: str, params: Sequence[int], repeats: int,
     if measured and sum(step_model.wire_seconds(timings, found)) > max_step_s:
       break
     measured.append(n_params)
-    step_s = job.slowest(_median_s(run, repeats))
     replay, ones = netbench_methods.collectives_replay(found, job.mesh), job.ones()
-    collectives_s = job.slowest(_median_s(lambda: replay(ones), repeats))
-    seconds.append(max(step_s - collectives_s, 0.0))
+    steps, replays = _rounds(job, [run, lambda: replay(ones)], repeats)
+    seconds.append(job.slowest(max(statistics.median(
+        a - b for a, b in zip(steps, replays)), 0.0)))
   return calib.MethodWork(method, tuple(measured), tuple(seconds))
 
 
