@@ -6,9 +6,10 @@ bound to its address (parallel.initialize(gloo_hostname=...)), and measures per 
 median step time of a gradient exchange, the bits per parameter each host really sent (its
 interface's tx_bytes over the timed steps; on two levels also every node's bytes to the others,
 on its inter-node link) against what the compiled program predicts, and the step's collectives
-alone (replayed as compiled). Then, unless --exchange-only, trains the demo's GPT end to end per
-method: tokens per second, eval loss, the step's split into compute and exchange, and the cost
-model's prediction beside it (docs/results/network.md). Each argument, and that --json and --png can
+alone (replayed as compiled); with --calibration, the step `loco-jax advise`'s model predicts
+beside it. Then, unless --exchange-only, trains the demo's GPT end to end per method: tokens per
+second, eval loss, and the step's split into compute and exchange (docs/results/network.md).
+--probe runs `loco-jax probe` on the hosts instead. Each argument, and that --json and --png can
 be written, is checked before anything is built. Needs root and iproute2; exits 2 saying what
 is missing otherwise.
 """
@@ -18,7 +19,6 @@ import ctypes
 import importlib.util
 import json
 import os
-import shlex
 import signal
 import subprocess
 import sys
@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Sequence
 
 from loco_jax.apps import netbench_report as report
-from loco_jax.apps import netns
+from loco_jax.apps import netbench_probe, netns
 from loco_jax.apps.netbench_methods import FLAT_DEFAULT, METHODS, TWO_LEVEL_DEFAULT
 from loco_jax.apps.netbench_worker import PARAM_GATHERS, TRAIN_METHODS
 from loco_jax.train import files
@@ -198,32 +198,6 @@ def check_writable(path: str, option: str) -> None:
     raise ValueError(f"{option} {path!r} cannot be written: {e.strerror or e}") from None
 
 
-def _check_calibration(args, rates: list[str]) -> None:
-  """--probe and --calibration: one level; a probe runs at one rate and times no training;
-  a calibration must be of this many devices and hold every method's work."""
-  if args.probe is None and args.calibration is None:
-    return
-  if args.nodes > 1:
-    raise ValueError("--probe and --calibration cover one level: the probe times collectives "
-                     "over every device, not inside and between nodes")
-  if args.probe is not None and (len(rates) != 1 or not args.exchange_only or args.calibration):
-    raise ValueError("--probe writes one calibration: give one --rate and --exchange-only, "
-                     "without --calibration")
-  if args.probe is not None:   # the hosts' probe options, checked here as each host will
-    from loco_jax.apps import probe
-    probe.check_args(probe.parse_args(["--out", args.probe, "--methods", args.methods,
-                                       *shlex.split(args.probe_args)]))
-  if args.calibration is not None:
-    from loco_jax.apps import calibration as calib
-    found = calib.read(args.calibration)
-    devices = args.hosts * args.devices_per_host
-    missing = [m for m in args.methods.split(",") if m not in {w.method for w in found.work}]
-    if found.devices != devices or missing:
-      raise ValueError(f"--calibration {args.calibration!r} is of {found.devices} devices and "
-                       f"methods {[w.method for w in found.work]}: these hosts have {devices} "
-                       f"devices{f' and it lacks {missing}' if missing else ''}")
-
-
 def _check_args(args) -> list[tuple[str, str | None]]:
   """Every argument checked before anything is built; -> the (rate, inter-node rate) settings."""
   netns.check_topology(args.hosts, args.nodes, args.delay, args.burst)
@@ -250,7 +224,7 @@ def _check_args(args) -> list[tuple[str, str | None]]:
     netns.rate_bits(r)
   if not args.exchange_only:
     _check_training(args)
-  _check_calibration(args, rates)
+  netbench_probe.check_args(args, rates)
   for option, path in (("--json", args.json), ("--png", args.png), ("--probe", args.probe)):
     if path is not None:
       check_writable(path, option)
@@ -292,8 +266,8 @@ def run_hosts(net: netns.Network, args, workdir: str) -> list[dict]:
       log = open(os.path.join(workdir, f"host{i}.log"), "w+")
       logs.append(log)
       if args.probe is not None:
-        procs.append(subprocess.Popen(_probe_command(net, args, i, coordinator), stdout=log,
-                                      stderr=subprocess.STDOUT, env=env,
+        procs.append(subprocess.Popen(netbench_probe.command(net, args, i, coordinator),
+                                      stdout=log, stderr=subprocess.STDOUT, env=env,
                                       preexec_fn=_die_with_parent))
         continue
       cmd = [*net.exec_prefix(i), sys.executable, "-m", "loco_jax.apps.netbench_worker",
@@ -343,16 +317,6 @@ def run_hosts(net: netns.Network, args, workdir: str) -> list[dict]:
         p.wait(timeout=10)
     for log in logs:
       log.close()
-
-
-def _probe_command(net: netns.Network, args, i: int, coordinator: str) -> list[str]:
-  """Host i's `loco-jax probe`, joined to the others as training would be."""
-  host = net.hosts[i]
-  return [*net.exec_prefix(i), sys.executable, "-m", "loco_jax.apps.probe", "--out", args.probe,
-          "--coordinator", coordinator, "--processes", str(len(net.hosts)), "--process-id",
-          str(i), "--address", host.address, "--cpu-devices", str(args.devices_per_host),
-          "--methods", args.methods, "--timeout", str(args.timeout),
-          *shlex.split(args.probe_args)]
 
 
 def _tail(log, chars: int = 3000) -> str:

@@ -30,6 +30,7 @@ MAX_REPEATS = 60
 # The work is a step's time less its collectives': at sizes where it is milliseconds, not the
 # noise of a TCP round trip (at 2**18 parameters, 2 hosts at 1 Gb/s, loco's was lost in it).
 WORK_PARAMS = (2**20, 2**22)
+FLAT_METHODS = tuple(n for n, m in METHODS.items() if m.topology == "flat")
 HEARTBEAT_TIMEOUT_S = 120   # busy shared cores delay heartbeats (netbench_worker's, likewise)
 
 
@@ -45,7 +46,7 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--cpu-devices", type=int, default=None,
                  help="on CPU: devices a process (jax_num_cpu_devices; default: jax's)")
   p.add_argument("--methods", default=",".join(FLAT_DEFAULT),
-                 help=f"comma-separated, from {','.join(n for n, m in METHODS.items() if m.topology == 'flat')}")
+                 help=f"comma-separated, from {','.join(FLAT_METHODS)}")
   p.add_argument("--work-params", default=",".join(map(str, WORK_PARAMS)),
                  help="parameters at which each method's work is timed, increasing")
   p.add_argument("--sizes", default=",".join(map(str, SIZES)),
@@ -81,10 +82,10 @@ def _ints(text: str, option: str) -> tuple[int, ...]:
 
 def check_args(args) -> None:
   """Every argument checked before jax starts: a ValueError saying what is accepted."""
-  flat = [n for n, m in METHODS.items() if m.topology == "flat"]
   methods = args.methods.split(",")
-  if not methods or [m for m in methods if m not in flat] or len(set(methods)) != len(methods):
-    raise ValueError(f"--methods must be distinct names from {flat}, got {args.methods!r}")
+  if [m for m in methods if m not in FLAT_METHODS] or len(set(methods)) != len(methods):
+    raise ValueError(f"--methods must be distinct names from {FLAT_METHODS}, got "
+                     f"{args.methods!r}")
   _ints(args.work_params, "--work-params")
   _ints(args.sizes, "--sizes")
   if args.processes < 1 or not 0 <= args.process_id < args.processes:
@@ -179,8 +180,8 @@ def measure_collective(job: _Job, op: str, dtype: str, sizes: Sequence[int], rep
   A step runs its collectives one after the other: one alone costs more (the processes meet
   at it, the shaper's bucket refilled while it waited). So each size is timed as one call and
   as CHAIN calls in one program, in turn (`_rounds`); the median difference over CHAIN - 1 is
-  one more call's cost (the slowest process's). Sizes stop after the first whose single call takes `max_call_s`
-  (every process stops at the same size).
+  one more call's cost (the slowest process's). Sizes stop after the first whose single call
+  takes `max_call_s` (every process stops at the same size).
   """
   from loco_jax import comm
   n, measured, seconds, firsts = job.mesh.size, [], [], []
