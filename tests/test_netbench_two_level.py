@@ -305,7 +305,7 @@ def test_the_two_level_table_and_plot(tmp_path):
     for rate in ("1gbit", "100mbit"):
       rows.append({"method": method, "hosts": 4, "nodes": 2, "rate": "10gbit",
                    "inter_rate": rate, "n_params": 1000, "step_s": step, "cpu_s": 0.1,
-                   "collectives_s": 0.5, "predicted_wire_s": 0.4,
+                   "collectives_s": 0.5, "predicted_step_s": None,
                    "measured_bits_per_param": 15.0, "predicted_bits_per_param": 15.0,
                    "measured_inter_bits_per_param": inter,
                    "predicted_inter_bits_per_param": inter})

@@ -1,4 +1,8 @@
-"""`loco-jax bench`: LoCo's step against adamw and a device copy, wire bits, codecs, cost model."""
+"""`loco-jax bench`: LoCo's step against adamw and a device copy, wire bits, codecs.
+
+What an exchange step costs on a cluster's links is `loco-jax probe` and `loco-jax advise`'s
+(apps/step_model.py), calibrated by measurement there.
+"""
 
 import argparse
 import functools
@@ -30,11 +34,9 @@ ADAMW_BYTES = 4 * 7                   # g, params, mu, nu in; mu, nu, update out
 MEAN_BYTES = 0.5 + 4 / 8              # 8 peers' 4-bit shards in, their float32 mean out
 WIRE_DEVICES = 8
 WIRE_PARAMS = {"w": (1024, 1024), "b": (1024,)}
-COST_DEVICES = (8, 64, 512, 4096)
 # The GPT-2-shaped tree of the step and compile comparisons (148 leaves, 9,575,936 params).
 TREE = {"d_model": 256, "layers": 12}
 TREE_QUICK = {"d_model": 64, "layers": 2}
-COST_GBPS = (25, 100, 400)
 BASELINES = ("uncompressed", "bf16", "int_quantized", "error_feedback", "ef21", "sign_ef",
              "topk_ef")
 # Pallas tile configurations (scale blocks per program, warps) tried on GPU; the best is kept.
@@ -45,49 +47,6 @@ class Record(NamedTuple):
   name: str
   value: float
   unit: str
-
-
-# --- Cost model: the LoCo paper's Table I ---------------------------------------------------
-
-
-def comm_seconds(bits_g: float, bits_w: float, psi: float, devices: int, gbps: float,
-                 topology: str = "ring") -> float:
-  """Seconds a step spends communicating, LoCo paper Table I, B = gbps * 1e9 / 8 bytes/s.
-
-  ring: (b_g + b_w) * Psi * (N - 1) / (8 N B); master-server: (b_g + b_w) * Psi * N / (8 B).
-  Example:
-    >>> comm_seconds(16, 16, 7e9, 8, 100)   # bf16 ring all-reduce of 7B params: 1.96 s
-  """
-  bytes_per_s = gbps * 1e9 / 8
-  if topology == "ring":
-    return (bits_g + bits_w) * psi * (devices - 1) / (8 * devices * bytes_per_s)
-  if topology == "master-server":
-    return (bits_g + bits_w) * psi * devices / (8 * bytes_per_s)
-  raise ValueError(f"topology must be 'ring' or 'master-server', got {topology!r}")
-
-
-def cost_model(psi: float, adamw_s_per_param: float, loco_s_per_param: float,
-               devices: Sequence[int] = COST_DEVICES, gbps: Sequence[float] = COST_GBPS
-               ) -> list[dict]:
-  """Predicted optimizer-plus-communication time of a step, bf16 against LoCo (no overlap).
-
-  bf16: adamw compute + Table I with b_g = b_w = 16. LoCo: adamw + LoCo's update compute +
-  Table I with b_g = 4, b_w = 16. Compute scales linearly with Psi from the measured seconds
-  per parameter; forward and backward passes are left out (they add the same to both).
-  Example:
-    >>> rows = cost_model(7e9, 7.7e-3 / 2**30, 3.3e-3 / 2**30)
-  """
-  rows = []
-  for n in devices:
-    for b in gbps:
-      row = {"devices": n, "gbps": b}
-      for topology in ("ring", "master-server"):
-        bf16_s = adamw_s_per_param * psi + comm_seconds(16, 16, psi, n, b, topology)
-        loco_s = ((adamw_s_per_param + loco_s_per_param) * psi
-                  + comm_seconds(4, 16, psi, n, b, topology))
-        row[topology] = {"bf16_s": bf16_s, "loco_s": loco_s, "speedup": bf16_s / loco_s}
-      rows.append(row)
-  return rows
 
 
 # --- A GPT-2-shaped parameter tree ----------------------------------------------------------
@@ -524,8 +483,8 @@ def _value(records: list[Record], name: str) -> float | None:
   return next((r.value for r in records if r.name == name), None)
 
 
-def format_tables(records: list[Record], backend: str, n: int, repeats: int, psi: float,
-                  cost_rows: list[dict], codec_symbols: int) -> str:
+def format_tables(records: list[Record], backend: str, n: int, repeats: int,
+                  codec_symbols: int) -> str:
   """The markdown printed by `loco-jax bench`."""
   lines = [f"## Step times: backend {backend}, n_params = {n}, median of {repeats} "
            "(interleaved)", "",
@@ -574,16 +533,6 @@ def format_tables(records: list[Record], backend: str, n: int, repeats: int, psi
   if codec_lines:
     lines += ["", f"## Codecs on the host CPU: bits per symbol, encode + decode throughput "
               f"({codec_symbols} fp4 GenNorm symbols per beta)", ""] + codec_lines
-  if cost_rows:
-    lines += ["", f"## Cost model: Psi = {psi:.3g} params, LoCo paper Table I, compute from "
-              f"this run's adamw and loco_update ({backend}), no overlap", "",
-              "| devices | Gb/s | ring bf16 s | ring LoCo s | ring speedup | "
-              "master-server speedup |", "|---|---|---|---|---|---|"]
-    for row in cost_rows:
-      ring = row["ring"]
-      lines.append(f"| {row['devices']} | {row['gbps']} | {ring['bf16_s']:.3f} | "
-                   f"{ring['loco_s']:.3f} | {ring['speedup']:.2f} | "
-                   f"{row['master-server']['speedup']:.2f} |")
   return "\n".join(lines) + "\n"
 
 
@@ -594,7 +543,8 @@ def _parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(
       prog="loco-jax bench",
       description="LoCo's step against adamw and a device copy (medians, interleaved), wire "
-                  "bits from the HLO, the Huffman codec against zlib/zstd, and a cost model.")
+                  "bits from the HLO, the Huffman codec against zlib/zstd (a cluster's "
+                  "exchange step: loco-jax probe and advise).")
   p.add_argument("--n-params", type=int, default=None,
                  help="parameters of the timed flat leaf (default 2**24 on CPU, 2**30 on "
                       "GPU/TPU, 2**16 with --quick)")
@@ -603,7 +553,6 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--json", default=None, help="write the records here (atomically)")
   p.add_argument("--quick", action="store_true",
                  help="tiny sizes: a smoke test of every part")
-  p.add_argument("--psi", type=float, default=7e9, help="model size for the cost model")
   p.add_argument("--codec-symbols", type=int, default=None,
                  help="symbols per codec run (default 2**20, 2**12 with --quick)")
   p.add_argument("--skip", default="", help="comma-separated parts to skip: wire,codec")
@@ -626,8 +575,6 @@ def main(argv: Sequence[str] | None = None) -> int:
       value = getattr(args, name)
       if value is not None and value <= 0:
         parser.error(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
-    if not (math.isfinite(args.psi) and args.psi > 0):
-      parser.error(f"--psi must be a positive number of parameters, got {args.psi}")
     skip = {s for s in args.skip.split(",") if s}
     if skip - {"wire", "codec"}:
       parser.error(f"--skip takes wire and/or codec, got {sorted(skip - {'wire', 'codec'})}")
@@ -647,20 +594,12 @@ def main(argv: Sequence[str] | None = None) -> int:
   started = time.perf_counter()
   tree_size = TREE_QUICK if args.quick else TREE
   records = _timing_records(n, repeats, backend, not args.quick, tree_size)
-
-  adamw_s = _value(records, "step_ms/adamw") / 1e3
-  loco_s = _value(records, "step_ms/loco_update") / 1e3
-  cost_rows = cost_model(args.psi, adamw_s / n, loco_s / n)
-  for row in cost_rows:
-    for topology in ("ring", "master-server"):
-      records.append(Record(f"cost_model_speedup/{topology}/devices={row['devices']}/"
-                            f"gbps={row['gbps']}", row[topology]["speedup"], "x"))
   if "wire" not in skip:
     records += wire_bits(tree_size)
   codec_symbols = args.codec_symbols or (2**12 if args.quick else 2**20)
   if "codec" not in skip:
     records += codec_records(codec_symbols, 1 if args.quick else 3)
-  print(format_tables(records, backend, n, repeats, args.psi, cost_rows, codec_symbols), end="")
+  print(format_tables(records, backend, n, repeats, codec_symbols), end="")
   print(f"\n({time.perf_counter() - started:.1f} s, jax {jax.__version__}, "
         f"{jax.devices()[0].device_kind})")
   if args.json:
@@ -670,8 +609,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 n_params=(tree_params if "tree" in r.name else
                           codec_symbols if r.name.startswith("codec") else
                           sum(math.prod(s) for s in WIRE_PARAMS.values())
-                          if r.name.startswith("wire_bits") else
-                          args.psi if r.name.startswith("cost_model") else n))
+                          if r.name.startswith("wire_bits") else n))
            for r in records]
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     files.write_json_atomic(args.json, out, indent=1)

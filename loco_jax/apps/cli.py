@@ -1,8 +1,11 @@
-"""The `loco-jax` command (python -m loco_jax): `demo` trains every method; `bench` measures."""
+"""The `loco-jax` command (python -m loco_jax): `demo` trains every method; `bench` and
+`netbench` measure; `probe` calibrates a cluster and `advise` picks a method for it."""
 
 import sys
 
-COMMANDS = {"demo": "loco_jax.apps.demo", "bench": "loco_jax.apps.bench", "netbench": "loco_jax.apps.netbench"}
+COMMANDS = {"demo": "loco_jax.apps.demo", "bench": "loco_jax.apps.bench",
+            "netbench": "loco_jax.apps.netbench", "probe": "loco_jax.apps.probe",
+            "advise": "loco_jax.apps.advise"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,9 +6,10 @@ bound to its address (parallel.initialize(gloo_hostname=...)), and measures per 
 median step time of a gradient exchange, the bits per parameter each host really sent (its
 interface's tx_bytes over the timed steps; on two levels also every node's bytes to the others,
 on its inter-node link) against what the compiled program predicts, and the step's collectives
-alone (replayed as compiled). Then, unless --exchange-only, trains the demo's GPT end to end per
-method: tokens per second, eval loss, the step's split into compute and exchange, and the cost
-model's prediction beside it (docs/results/network.md). Each argument, and that --json and --png can
+alone (replayed as compiled); with --calibration, the step `loco-jax advise`'s model predicts
+beside it. Then, unless --exchange-only, trains the demo's GPT end to end per method: tokens per
+second, eval loss, and the step's split into compute and exchange (docs/results/network.md).
+--probe runs `loco-jax probe` on the hosts instead. Each argument, and that --json and --png can
 be written, is checked before anything is built. Needs root and iproute2; exits 2 saying what
 is missing otherwise.
 """
@@ -27,7 +28,7 @@ from pathlib import Path
 from typing import Sequence
 
 from loco_jax.apps import netbench_report as report
-from loco_jax.apps import netns
+from loco_jax.apps import netbench_probe, netns
 from loco_jax.apps.netbench_methods import FLAT_DEFAULT, METHODS, TWO_LEVEL_DEFAULT
 from loco_jax.apps.netbench_worker import PARAM_GATHERS, TRAIN_METHODS
 from loco_jax.train import files
@@ -115,6 +116,15 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--default-malloc", dest="host_malloc", action="store_false",
                  help=f"run the hosts with glibc's default malloc settings instead of "
                       f"GLIBC_TUNABLES={HOST_MALLOC} (a GLIBC_TUNABLES already set is kept)")
+  p.add_argument("--probe", default=None, metavar="FILE",
+                 help="instead of timing the exchanges, run `loco-jax probe` on the hosts (one "
+                      "--rate, one level) for --methods and write its calibration to FILE")
+  p.add_argument("--probe-args", default="",
+                 help="more options for every host's probe, e.g. \"--work-params 65536,262144 "
+                      "--max-call-s 0.5\" (`loco-jax probe --help`)")
+  p.add_argument("--calibration", default=None, metavar="FILE",
+                 help="a calibration `loco-jax probe` wrote on these hosts and links: each "
+                      "exchange's step is predicted from it beside the measured one")
   p.add_argument("--json", default=None,
                  help="write the records to this file (checked writable before the run, "
                       "written whole or not at all)")
@@ -214,7 +224,8 @@ def _check_args(args) -> list[tuple[str, str | None]]:
     netns.rate_bits(r)
   if not args.exchange_only:
     _check_training(args)
-  for option, path in (("--json", args.json), ("--png", args.png)):
+  netbench_probe.check_args(args, rates)
+  for option, path in (("--json", args.json), ("--png", args.png), ("--probe", args.probe)):
     if path is not None:
       check_writable(path, option)
   if args.json is not None and args.png is not None and \
@@ -254,6 +265,11 @@ def run_hosts(net: netns.Network, args, workdir: str) -> list[dict]:
     for i, host in enumerate(net.hosts):
       log = open(os.path.join(workdir, f"host{i}.log"), "w+")
       logs.append(log)
+      if args.probe is not None:
+        procs.append(subprocess.Popen(netbench_probe.command(net, args, i, coordinator),
+                                      stdout=log, stderr=subprocess.STDOUT, env=env,
+                                      preexec_fn=_die_with_parent))
+        continue
       cmd = [*net.exec_prefix(i), sys.executable, "-m", "loco_jax.apps.netbench_worker",
              "--process-id", str(i), "--hosts", str(len(net.hosts)),
              "--coordinator", coordinator, "--address", host.address,
@@ -324,6 +340,10 @@ def _measure_all(args, settings: list[tuple[str, str | None]]) -> list[dict]:
     if stale:
       print(f"removed {len(stale)} namespaces left by an earlier run: {', '.join(stale)}")
     records, malloc = [], host_env(args.host_malloc).get("GLIBC_TUNABLES", "")
+    calibration = None
+    if args.calibration is not None:
+      from loco_jax.apps import calibration as calib
+      calibration = calib.read(args.calibration)
     with tempfile.TemporaryDirectory(prefix="netbench-") as workdir:
       for rate, inter_rate in settings:
         with netns.Network(args.hosts, rate, args.delay, args.burst, args.nodes,
@@ -333,8 +353,11 @@ def _measure_all(args, settings: list[tuple[str, str | None]]) -> list[dict]:
           # The shaper's calibration: what one TCP stream carries on the link the rate is of.
           tcp = net.tcp_goodput(0, net.hosts_per_node if args.nodes > 1 else 1)
           results = run_hosts(net, args, workdir)
+          if args.probe is not None:
+            print(f"wrote the calibration {args.probe}")
+            continue
           exchanges = report.summarize(results, args.hosts, rate, args.params, args.nodes,
-                                       inter_rate)
+                                       inter_rate, calibration)
           records += [dict(r, link_tcp_bits_per_s=tcp) for r in exchanges]
           if not args.exchange_only:
             records += report.summarize_training(results, args.hosts, rate)
@@ -401,6 +424,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   except (RuntimeError, TimeoutError) as e:
     print(f"netbench: {e}", file=sys.stderr)
     return 1
+  if args.probe is not None:
+    return 0
   exchanges = [r for r in records if r.get("kind") != "train"]
   training = [r for r in records if r.get("kind") == "train"]
   _print_tables(args, exchanges, training)

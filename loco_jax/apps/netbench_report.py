@@ -13,10 +13,11 @@ MIN_CHECKED_BYTES = 64 * 1024
 
 
 def summarize(results: list[dict], hosts: int, rate: str, n_params: int, nodes: int = 1,
-              inter_rate: str | None = None) -> list[dict]:
+              inter_rate: str | None = None, calibration=None) -> list[dict]:
   """One record per method: the slowest host's median step, the mean bits the hosts sent (on
   the interface, and the TCP payload among them) and, on two levels, the bits every node sent
-  the others (read by host 0 on the uplinks)."""
+  the others (read by host 0 on the uplinks). With a `calibration` (one level), the step
+  `step_model` predicts from the compiled collectives, as `predicted_step_s`."""
   records = []
   results = [r for r in results if r.get("kind", "result") == "result"]
   for method in dict.fromkeys(r["method"] for r in results):
@@ -35,7 +36,8 @@ def summarize(results: list[dict], hosts: int, rate: str, n_params: int, nodes: 
         "measured_bits_per_host": [r["measured_bits_per_param"] for r in rows],
         **_payload(rows),
         "predicted_bits_per_param": predicted,
-        "predicted_wire_s": predicted * n_params / netns.rate_bits(rate),
+        "predicted_step_s": None if calibration is None else predicted_step(
+            calibration, method, rows[0]["collectives"], n_params),
         "finite": all(r["finite"] for r in rows),
         "host_malloc": rows[0]["malloc"],
         "host_cpus": [r["cpus"] for r in rows],
@@ -59,7 +61,7 @@ def summarize(results: list[dict], hosts: int, rate: str, n_params: int, nodes: 
       record["profile"] = {k: statistics.mean(r["profile"][k] for r in rows)
                            for k in ("wall_s", *netbench_profile.KINDS)}
     if nodes > 1:
-      record.update(_inter_node(rows[0], n_params, nodes, inter_rate, record["predicted_wire_s"]))
+      record.update(_inter_node(rows[0], nodes, inter_rate))
     records.append(record)
   return records
 
@@ -71,40 +73,42 @@ def _payload(rows: list[dict]) -> dict:
           "sent_per_host": [r["sent"] for r in rows]}
 
 
-def _inter_node(host0: dict, n_params: int, nodes: int, inter_rate: str,
-                host_wire_s: float) -> dict:
+def predicted_step(calibration, method: str, collectives: list[str], n_params: int) -> float:
+  """`step_model.predict`'s step of a flat method from its record's collectives
+  ('op:dtype:bytes:data[:cond]', every device in each group)."""
+  from loco_jax import comm
+  from loco_jax.apps import step_model
+  found = []
+  for text in collectives:
+    op, dtype, nbytes, *rest = text.split(":")
+    found.append(comm.Collective(op, dtype, float(nbytes), calibration.devices,
+                                 conditional="cond" in rest))
+  return step_model.predict(calibration, method, found, n_params).step_s
+
+
+def _inter_node(host0: dict, nodes: int, inter_rate: str) -> dict:
   """The two-level fields: bits per parameter per step every node sent the others, measured
   on its uplink and predicted from the compiled collectives (None: no model for one of them)."""
   measured = host0["measured_inter_bits_per_node"]
   predicted = host0["predicted_inter_bits_per_node"]
   if measured is None or len(measured) != nodes:
     raise RuntimeError(f"{host0['method']}: host 0 did not report the {nodes} uplinks' counters")
-  inter_s = None if predicted is None else max(predicted) * n_params / netns.rate_bits(inter_rate)
   return {
       "nodes": nodes, "inter_rate": inter_rate, "topology": host0["topology"],
       "measured_inter_bits_per_param": sum(measured), "measured_inter_bits_per_node": measured,
       "predicted_inter_bits_per_param": None if predicted is None else sum(predicted),
-      "predicted_inter_bits_per_node": predicted,
-      "predicted_wire_s": host_wire_s if inter_s is None else max(host_wire_s, inter_s)}
-
-
-# The LoCo paper's Table I widths (b_g, b_w) of each training method, for bench.comm_seconds.
-TABLE_I_BITS = {"fp32": (32, 32), "bf16": (16, 16), "loco": (4, 16), "loco-quantized": (4, 4)}
+      "predicted_inter_bits_per_node": predicted}
 
 
 def summarize_training(results: list[dict], hosts: int, rate: str) -> list[dict]:
   """One record per training method: the slowest host's median step, tokens per second, eval
   loss, its split into compute (the same step with no exchange, method "compute") and exchange
-  (of which `collectives_s`: the step's collectives alone, replayed as compiled),
-  and beside it the step the compiled program's bytes predict (compute + bits at the rate)
-  and the cost model's (compute + bench.comm_seconds with Table I's widths)."""
-  from loco_jax.apps import bench
+  (of which `collectives_s`: the step's collectives alone, replayed as compiled)."""
   rows = [r for r in results if r.get("kind") == "train"]
   compute = [r for r in rows if r["method"] == "compute"]
   if len(compute) != hosts:
     raise RuntimeError(f"training: {len(compute)} of {hosts} hosts reported the compute step")
   compute_s = max(r["step_s"] for r in compute)
-  bits_per_s = netns.rate_bits(rate)
   records = []
   for method in dict.fromkeys(r["method"] for r in rows):
     mine = [r for r in rows if r["method"] == method]
@@ -124,11 +128,7 @@ def summarize_training(results: list[dict], hosts: int, rate: str) -> list[dict]
         "measured_bits_per_host": [r["measured_bits_per_param"] for r in mine],
         **_payload(mine),
         "predicted_bits_per_param": first["predicted_bits_per_param"],
-        "predicted_step_s": compute_s + first["predicted_bits_per_param"] * n / bits_per_s,
         "overlapped_collectives": first.get("overlapped_collectives", 0)}
-    if method in TABLE_I_BITS:
-      record["cost_model_step_s"] = compute_s + bench.comm_seconds(
-          *TABLE_I_BITS[method], n, hosts, bits_per_s / 1e9)
     records.append(record)
   return records
 
@@ -141,17 +141,14 @@ def table_head(*columns: str) -> list[str]:
 def format_training_table(records: list[dict]) -> list[str]:
   lines = table_head("method", "hosts", "rate", "params", "step ms", "compute ms",
                      "exchange ms (share)", "collectives ms", "tokens/s (vs compute)",
-                     "eval loss",
-                     "predicted ms", "cost model ms", "bits/param sent, payload (pred.)",
-                     "overlapped")
+                     "eval loss", "bits/param sent, payload (pred.)", "overlapped")
   for r in records:
-    cost = f"{r['cost_model_step_s'] * 1e3:.1f}" if "cost_model_step_s" in r else "-"
     lines.append(
         f"| {r['method']} | {r['hosts']} | {r['rate']} | {r['n_params']} | "
         f"{r['step_s'] * 1e3:.1f} | {r['compute_s'] * 1e3:.1f} | {r['exchange_s'] * 1e3:.1f} "
         f"({r['exchange_s'] / r['step_s']:.0%}) | {r['collectives_s'] * 1e3:.1f} | "
         f"{r['tokens_per_s']:.0f} ({r['tokens_vs_compute']:.2f}x) | "
-        f"{r['eval_loss']:.4f} | {r['predicted_step_s'] * 1e3:.1f} | {cost} | "
+        f"{r['eval_loss']:.4f} | "
         f"{r['measured_bits_per_param']:.2f}, {r['payload_bits_per_param']:.2f} "
         f"({r['predicted_bits_per_param']:.2f}) | {r['overlapped_collectives']} |")
   return lines
@@ -275,7 +272,7 @@ def nominal_rate(record: dict) -> float:
 
 def format_table(records: list[dict]) -> list[str]:
   lines = table_head("method", "hosts", "rate", "params", "step ms", "cpu ms",
-                     "host work ns/param", "collectives ms", "wire ms (pred.)", "% of rate",
+                     "host work ns/param", "collectives ms", "model ms (off)", "% of rate",
                      "bits/param sent", "payload", "predicted", "diff")
   for r in records:
     expected = expected_bits(r)
@@ -284,11 +281,18 @@ def format_table(records: list[dict]) -> list[str]:
         f"| {r['method']} | {r['hosts']} | {r['rate']} | {r['n_params']} | "
         f"{r['step_s'] * 1e3:.1f} | {r['cpu_s'] * 1e3:.1f} | "
         f"{r['host_work_s'] * 1e9 / r['n_params']:.1f} | {r['collectives_s'] * 1e3:.1f} | "
-        f"{r['predicted_wire_s'] * 1e3:.1f} | "
-        f"{rate_fraction(r):.0%} | {r['measured_bits_per_param']:.3f} | "
+        f"{_model_cell(r)} | {rate_fraction(r):.0%} | {r['measured_bits_per_param']:.3f} | "
         f"{r['payload_bits_per_param']:.3f} | {expected:.3f} | {diff:+.2%}"
         f"{'' if payload_checked(r) else ' (not checked)'} |")
   return lines
+
+
+def _model_cell(record: dict) -> str:
+  """The model's step and how far the measured one is off it, or '-' without a calibration."""
+  predicted = record.get("predicted_step_s")
+  if predicted is None:
+    return "-"
+  return f"{predicted * 1e3:.1f} ({record['step_s'] / predicted - 1:+.0%})"
 
 
 def format_state_table(records: list[dict]) -> list[str]:
@@ -334,7 +338,7 @@ def format_two_level_table(records: list[dict]) -> list[str]:
   loco = {link_setting(r): r["measured_inter_bits_per_param"] for r in records
           if r["method"] == "loco"}
   lines = table_head("method", "nodes x hosts", "links", "step ms", "cpu ms", "collectives ms",
-                     "wire ms (pred.)", "bits/param a host sent (pred.)",
+                     "bits/param a host sent (pred.)",
                      "inter-node bits/param (pred.)", "vs loco")
   for r in records:
     pred = r["predicted_inter_bits_per_param"]
@@ -343,7 +347,7 @@ def format_two_level_table(records: list[dict]) -> list[str]:
     lines.append(
         f"| {r['method']} | {r['nodes']} x {r['hosts'] // r['nodes']} | {link_setting(r)} | "
         f"{r['step_s'] * 1e3:.1f} | {r['cpu_s'] * 1e3:.1f} | {r['collectives_s'] * 1e3:.1f} | "
-        f"{r['predicted_wire_s'] * 1e3:.1f} | {r['measured_bits_per_param']:.3f} "
+        f"{r['measured_bits_per_param']:.3f} "
         f"({r['predicted_bits_per_param']:.3f}) | {r['measured_inter_bits_per_param']:.3f} "
         f"({'-' if pred is None else f'{pred:.3f}'}) | {ratio} |")
   return lines
@@ -351,7 +355,8 @@ def format_two_level_table(records: list[dict]) -> list[str]:
 
 def plot(records: list[dict], path: str) -> None:
   """Step time against link rate (the inter-node rate on two levels) per method, measured
-  (solid) and predicted wire time (dashed), written whole or not at all."""
+  (solid) and, where a calibration predicted it, `step_model`'s step (dashed), written whole
+  or not at all."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
@@ -362,14 +367,17 @@ def plot(records: list[dict], path: str) -> None:
     rows = sorted((r for r in records if r["method"] == method), key=link)
     x = [link(r) / 1e6 for r in rows]
     ax.plot(x, [r["step_s"] * 1e3 for r in rows], "o-", color=f"C{i}", label=method)
-    ax.plot(x, [r["predicted_wire_s"] * 1e3 for r in rows], "x--", color=f"C{i}", alpha=0.6)
+    predicted = [(x_i, r["predicted_step_s"] * 1e3) for x_i, r in zip(x, rows)
+                 if r.get("predicted_step_s") is not None]
+    if predicted:
+      ax.plot(*zip(*predicted), "x--", color=f"C{i}", alpha=0.6)
   first = records[0]
   where = (f"{first['nodes']} nodes x {first['hosts'] // first['nodes']} hosts"
            if first.get("nodes", 1) > 1 else f"{first['hosts']} hosts")
   ax.set(xscale="log", yscale="log", ylabel="step time (ms)",
          xlabel="inter-node link rate (Mb/s)" if first.get("nodes", 1) > 1 else
          "link rate (Mb/s)",
-         title=f"{where}, {first['n_params']} params (dashed: predicted wire time)")
+         title=f"{where}, {first['n_params']} params (dashed: the calibrated model)")
   ax.legend(fontsize=8)
   fig.tight_layout()
   try:

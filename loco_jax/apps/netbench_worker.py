@@ -240,7 +240,7 @@ def _meshes(args, jax) -> dict:
   return meshes
 
 
-def _gradient(row: int, n_params: int):
+def gradient(row: int, n_params: int):
   """Device `row`'s gradient: the same on every mesh, different on every device."""
   import numpy as np
   rng = np.random.default_rng(row)
@@ -286,7 +286,7 @@ def _measure(method: str, args, mesh, barrier, ones, uplinks: list[tuple[str, st
   from loco_jax import comm
   axes = netbench_methods.mesh_axes(mesh)
   grads = jax.make_array_from_callback((mesh.size, args.params), NamedSharding(mesh, P(axes)),
-                                       lambda idx: _gradient(idx[0].start or 0, args.params))
+                                       lambda idx: gradient(idx[0].start or 0, args.params))
   step, state = netbench_methods.exchange_step(method, args.params, mesh)
   compiled_text = step.lower(grads, state).compile().as_text()
   found = comm.collectives_per_step(compiled_text, mesh.size)   # comm.compiled_collectives

@@ -1,0 +1,77 @@
+"""`loco-jax probe`: two processes on 127.0.0.1 write a calibration advise reads; bad options."""
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from loco_jax.apps import advise, calibration as calib, probe
+
+TIMEOUT_S = 240
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_processes_probe_their_collectives_and_methods(tmp_path):
+  out = tmp_path / "cal.json"
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env["JAX_PLATFORMS"] = "cpu"
+  port = _free_port()
+  procs = [subprocess.Popen(
+      [sys.executable, "-m", "loco_jax", "probe", "--out", str(out), "--processes", "2",
+       "--process-id", str(i), "--coordinator", f"127.0.0.1:{port}", "--cpu-devices", "2",
+       "--methods", "fp32,loco", "--work-params", "4096,16384", "--sizes", "4096,65536",
+       "--repeats", "2", "--timeout", str(TIMEOUT_S)],
+      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+  try:
+    logs = [p.communicate(timeout=TIMEOUT_S)[0] for p in procs]
+  except subprocess.TimeoutExpired:
+    for p in procs:
+      p.kill()
+    pytest.fail(f"the probe hung for more than {TIMEOUT_S} s")
+  for p, log in zip(procs, logs):
+    assert p.returncode == 0, log[-3000:]
+  assert sorted(os.listdir(tmp_path)) == ["cal.json"]   # written once, no temp file left
+  found = calib.read(out)
+  assert (found.processes, found.devices, found.platform) == (2, 4, "cpu")
+  # fp32 runs a float32 all-reduce, loco an all-to-all and an all-gather: each timed over the
+  # 4 devices at both sizes (trimmed to whole elements in 4 equal pieces).
+  assert {(t.op, t.dtype) for t in found.collectives} >= {
+      ("all-reduce", "f32"), ("all-to-all", "*"), ("all-gather", "*")}
+  for t in found.collectives:
+    assert t.group_size == 4 and t.nbytes == (4096, 65536) and all(s > 0 for s in t.seconds)
+  assert [w.method for w in found.work] == ["fp32", "loco"]
+  assert all(w.n_params == (4096, 16384) for w in found.work)
+  advice = advise.advise(found, 2**20)
+  assert {r.method for r in advice.rows} == {"fp32", "loco"}
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--methods", "fp32,fp32"], "--methods must be distinct names"),
+    (["--methods", "two-hop"], "--methods must be distinct names"),
+    (["--work-params", "4096,1024"], "--work-params must be positive and increasing"),
+    (["--sizes", "a,b"], "--sizes must be comma-separated integers"),
+    (["--processes", "2"], "--coordinator ADDRESS:PORT is needed"),
+    (["--processes", "2", "--process-id", "2", "--coordinator", "h:1"], "--process-id must be"),
+    (["--repeats", "0"], "--repeats and --timeout must be >= 1"),
+    (["--max-step-s", "0"], "--max-call-s and --max-step-s > 0"),
+    (["--cpu-devices", "0"], "--cpu-devices must be >= 1"),
+])
+def test_bad_options_exit_2_before_jax_starts(tmp_path, argv, message, capsys):
+  assert probe.main(["--out", str(tmp_path / "cal.json"), *argv]) == 2
+  assert message in capsys.readouterr().err
+  assert not (tmp_path / "cal.json").exists()
+
+
+def test_an_unwritable_out_is_refused(tmp_path, capsys):
+  assert probe.main(["--out", str(tmp_path / "no" / "cal.json")]) == 2
+  assert "does not exist" in capsys.readouterr().err
+  with pytest.raises(ValueError, match="unknown probe options"):
+    probe.parse_args(["--out", "x.json", "--frobnicate"])
