@@ -3,7 +3,7 @@
   python experiments/co3_slot_needs.py [--devices 4] [--params 4194304] [--steps 12]
 
 Runs netbench's co3-fp4-coded step (`netbench_methods.exchange_step`) on n simulated devices of
-one process, each device with the gradient its netbench host has (`netbench_worker._gradient`),
+one process, each device with the gradient its netbench host has (`netbench_worker.gradient`),
 and reads every stream's length where the coded exchange fills its slots (`stream_lengths`).
 For each stream: the bits a symbol (an element, for the gather's sums) that its slot must
 reserve beyond the coder's overhead (`comm.coded.needed_bits_per_byte`). Per step
@@ -45,7 +45,7 @@ def main(argv=None) -> None:
   n, size = args.devices, args.params
   mesh = parallel.data_mesh(n)
   step, state = netbench_methods.exchange_step("co3-fp4-coded", size, mesh)
-  grads = jax.device_put(np.concatenate([netbench_worker._gradient(r, size) for r in range(n)]),
+  grads = jax.device_put(np.concatenate([netbench_worker.gradient(r, size) for r in range(n)]),
                          NamedSharding(mesh, PartitionSpec("data")))
   # At 2 devices co3 all-gathers whole coded gradients (`collective="auto"`): one kind of stream.
   per_shard = n > 2

@@ -63,7 +63,7 @@ def test_quick_run_writes_every_part_atomically(tmp_path, monkeypatch, capsys):
   assert by_name["wire_bits_per_param/loco_quantized_gather"]["value"] < 7.1
   assert any(name.startswith("codec/") for name in by_name)
   out = capsys.readouterr().out
-  assert "| loco_over_adamw |" in out and "## Cost model" in out
+  assert "| loco_over_adamw |" in out
 
 
 @pytest.mark.slow
