@@ -4,7 +4,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from processes import free_port
 import train_worker
 from loco_jax.train import checkpoint, parallel
 
@@ -72,15 +72,9 @@ def _kill_when(proc: subprocess.Popen, ready, what: str, log: Path) -> None:
   assert proc.returncode == -signal.SIGKILL
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 def _train(tmp: Path, name: str, cache: Path, *extra: str, processes: int = 1) -> Path:
   """Runs train_worker to completion (`processes` x 8/processes devices); returns its losses."""
-  losses, port = tmp / f"{name}.txt", str(_free_port())
+  losses, port = tmp / f"{name}.txt", str(free_port())
   logs = [tmp / f"{name}.{i}.log" for i in range(processes)]
   procs = [_start([str(WORKER), "--losses", str(losses), "--steps", str(STEPS), *extra,
                    "--num-processes", str(processes), "--process-id", str(i), "--port", port,

@@ -5,7 +5,6 @@ instead of hanging it."""
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import processes
 import train_worker
 from loco_jax.train import checkpoint, parallel
 
@@ -26,12 +26,6 @@ def _env() -> dict[str, str]:
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   env["JAX_PLATFORMS"] = "cpu"
   return env
-
-
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
 
 
 def _start(args: list[str], log: Path) -> subprocess.Popen:
@@ -58,7 +52,7 @@ def _stop(*procs: subprocess.Popen) -> None:
 
 @pytest.mark.slow
 def test_a_job_that_loses_a_process_finishes_on_the_survivors_devices(tmp_path):
-  ckpt, losses, port = tmp_path / "ckpt", tmp_path / "losses.txt", str(_free_port())
+  ckpt, losses, port = tmp_path / "ckpt", tmp_path / "losses.txt", str(processes.free_port())
   logs = [tmp_path / f"process{i}.log" for i in range(2)]
   common = ["--mode", "zero2", "--steps", str(STEPS), "--losses", str(losses), "--ckpt-dir",
             str(ckpt), "--ckpt-every", str(EVERY), "--hidden", "64"]
@@ -120,7 +114,7 @@ def test_two_processes_continue_a_checkpoint_of_another_model_shape(tmp_path):
   processes of 4 devices each continues it on (data=8): every process reads the checkpoint and
   re-lays it for the mesh over both. The job's curve stays within the uninterrupted run's
   step-to-step noise."""
-  ckpt, losses, port = tmp_path / "ckpt", tmp_path / "losses.txt", str(_free_port())
+  ckpt, losses, port = tmp_path / "ckpt", tmp_path / "losses.txt", str(processes.free_port())
   logs = [tmp_path / f"{name}.log" for name in ("first", "process0", "process1")]
   common = ["--mode", "zero2", "--losses", str(losses), "--ckpt-dir", str(ckpt),
             "--ckpt-every", "4", "--hidden", "64"]

@@ -1,8 +1,5 @@
 """FSDP (ZeRO-3) on an 8-device CPU mesh: same training as zero2, memory, wire bits, checkpoints."""
 
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 
+import processes
 import train_worker
 from loco_jax import comm, loco
 from loco_jax.train import checkpoint, fsdp, parallel
@@ -274,29 +272,16 @@ def test_bad_inputs_raise():
     step(state, next(_batches(1)))
 
 
-def _run_workers(tmp_path, name: str, processes: int, steps: int = 6) -> dict[int, float]:
-  """train_worker --mode fsdp as `processes` x 8/processes devices; {step: loss}."""
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  env["JAX_PLATFORMS"] = "cpu"
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = str(s.getsockname()[1])
+def _run_workers(tmp_path, name: str, count: int, steps: int = 6) -> dict[int, float]:
+  """train_worker --mode fsdp as `count` processes of 8 / count devices; {step: loss}."""
+  port = str(processes.free_port())
   losses = tmp_path / f"{name}.txt"
-  procs = [subprocess.Popen(
+  processes.run_all([
       [sys.executable, str(Path(train_worker.__file__)), "--mode", "fsdp", "--hidden", "32",
        "--steps", str(steps), "--losses", str(losses), "--ckpt-dir", str(tmp_path / name),
-       "--ckpt-every", str(steps), "--num-processes", str(processes), "--process-id", str(i),
-       "--port", port, "--devices-per-process", str(N // processes)],
-      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-      for i in range(processes)]
-  try:
-    logs = [p.communicate(timeout=300)[0] for p in procs]
-  except subprocess.TimeoutExpired:
-    for p in procs:
-      p.kill()
-    pytest.fail(f"{name}: a worker hung for more than 300 s")
-  for p, log in zip(procs, logs):
-    assert p.returncode == 0, log[-3000:]
+       "--ckpt-every", str(steps), "--num-processes", str(count), "--process-id", str(i),
+       "--port", port, "--devices-per-process", str(N // count)] for i in range(count)],
+      300, name)
   return {int(k): float(v) for k, v in (line.split() for line in losses.read_text().splitlines())}
 
 

@@ -1,43 +1,25 @@
 """`loco-jax probe`: two processes on 127.0.0.1 write a calibration advise reads; bad options."""
 
 import os
-import socket
-import subprocess
 import sys
 
 import pytest
 
+import processes
 from loco_jax.apps import advise, calibration as calib, probe
 
 TIMEOUT_S = 240
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_two_processes_probe_their_collectives_and_methods(tmp_path):
   out = tmp_path / "cal.json"
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  env["JAX_PLATFORMS"] = "cpu"
-  port = _free_port()
-  procs = [subprocess.Popen(
+  port = processes.free_port()
+  processes.run_all([
       [sys.executable, "-m", "loco_jax", "probe", "--out", str(out), "--processes", "2",
        "--process-id", str(i), "--coordinator", f"127.0.0.1:{port}", "--cpu-devices", "2",
        "--methods", "fp32,loco", "--work-params", "4096,16384", "--sizes", "4096,65536",
-       "--repeats", "2", "--timeout", str(TIMEOUT_S)],
-      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
-  try:
-    logs = [p.communicate(timeout=TIMEOUT_S)[0] for p in procs]
-  except subprocess.TimeoutExpired:
-    for p in procs:
-      p.kill()
-    pytest.fail(f"the probe hung for more than {TIMEOUT_S} s")
-  for p, log in zip(procs, logs):
-    assert p.returncode == 0, log[-3000:]
+       "--repeats", "2", "--timeout", str(TIMEOUT_S)] for i in range(2)], TIMEOUT_S, "probe")
   assert sorted(os.listdir(tmp_path)) == ["cal.json"]   # written once, no temp file left
   found = calib.read(out)
   assert (found.processes, found.devices, found.platform) == (2, 4, "cpu")
