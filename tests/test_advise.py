@@ -148,3 +148,24 @@ def test_a_stored_netbench_calibration_recommends_loco_at_100mbit(capsys):
   assert advise.main(["--params", str(2**22), "--hosts", "2", "--rate", "100mbit"]) == 0
   out = capsys.readouterr().out
   assert "recommended: loco (" in out and "| fp32 |" in out and "1.00x" in out
+
+
+def test_the_check_finds_a_step_off_its_prediction(tmp_path, capsys):
+  import importlib.util
+  root = Path(__file__).resolve().parents[1]
+  spec = importlib.util.spec_from_file_location("advise_check",
+                                                root / "experiments" / "advise_check.py")
+  check = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(check)
+  stored = root / "docs" / "records" / "advise_4hosts_100mbit_4m.json"
+  records = json.loads(stored.read_text())
+  assert check.main([str(stored)]) == 0
+  assert "| 4 | 100mbit | 4194304 | 9 of 9 |" in capsys.readouterr().out
+  loco = next(r for r in records if r["method"] == "loco")
+  loco["step_s"] *= 1.3
+  (tmp_path / "off.json").write_text(json.dumps(records))
+  assert check.main([str(tmp_path / "off.json")]) == 1
+  assert "MISSED: 4 hosts, 100mbit, 4194304 params: loco measured" in capsys.readouterr().out
+  (tmp_path / "twice.json").write_text(json.dumps(records + [loco]))
+  with pytest.raises(SystemExit, match="two records of loco"):
+    check.main([str(tmp_path / "twice.json")])

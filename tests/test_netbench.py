@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from loco_jax.apps import (netbench, netbench_methods, netbench_profile, netbench_report,
-                           netns)
+from loco_jax.apps import (netbench, netbench_args, netbench_methods, netbench_profile,
+                           netbench_report, netns)
 
 TIMEOUT_S = 150
 
@@ -209,7 +209,7 @@ def test_unwritable_outputs_are_refused_before_the_run(tmp_path, monkeypatch, ca
 
 
 def test_results_are_written_whole_or_printed(tmp_path, monkeypatch, capsys):
-  args = netbench._parser().parse_args(["--json", str(tmp_path / "net.json")])
+  args = netbench_args.parser().parse_args(["--json", str(tmp_path / "net.json")])
   records = [{"method": "fp32", "step_s": 0.1}]
   assert netbench._write_outputs(args, records, [])
   assert json.loads((tmp_path / "net.json").read_text()) == records
@@ -228,7 +228,7 @@ def test_results_are_written_whole_or_printed(tmp_path, monkeypatch, capsys):
 def test_hosts_get_the_malloc_settings_unless_told_otherwise(monkeypatch):
   monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
   monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-  parse = lambda *argv: netbench._parser().parse_args(list(argv))
+  parse = lambda *argv: netbench_args.parser().parse_args(list(argv))
   env = netbench.host_env(parse().host_malloc)
   assert env["GLIBC_TUNABLES"] == netbench.HOST_MALLOC and "XLA_FLAGS" not in env
   assert "GLIBC_TUNABLES" not in netbench.host_env(parse("--default-malloc").host_malloc)
@@ -484,7 +484,7 @@ def test_co3_on_three_hosts_sends_its_slots_and_records_its_exchange_and_counts(
 
 
 def _measure_in_process(method: str, n: int, n_params: int = 4096, steps: int = 2,
-                        profile: int = 0) -> dict:
+                        profile: int = 0, warmup: int = 1) -> dict:
   """netbench's record of `method` on n of this process's simulated devices (no wire: only
   what the host reads from the compiled program and the method's state)."""
   import argparse
@@ -492,7 +492,7 @@ def _measure_in_process(method: str, n: int, n_params: int = 4096, steps: int = 
   from jax.sharding import PartitionSpec as P
   from loco_jax.apps import netbench_worker
   from loco_jax.train import parallel
-  args = argparse.Namespace(params=n_params, steps=steps, warmup=1, hosts=1, nodes=1,
+  args = argparse.Namespace(params=n_params, steps=steps, warmup=warmup, hosts=1, nodes=1,
                             devices_per_host=n, interface="lo", profile=profile)
   mesh = parallel.data_mesh(n)
   barrier = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, "data"), mesh=mesh,
@@ -519,6 +519,16 @@ def test_co3_methods_record_which_exchange_ran_and_their_coded_bits(method, n):
     assert r["profile"]["top"][0]["seconds"] > 0
   else:
     assert r["profile"] is None
+
+
+def test_short_steps_are_timed_until_they_fill_a_second():
+  from loco_jax.apps import netbench_worker
+  assert netbench_worker.timed_steps(5, 0.3) == 5 and netbench_worker.timed_steps(5, 0.05) == 20
+  # One warm-up step compiles: its time does not count, and --steps is taken as given.
+  assert _measure_in_process("fp32", 2, warmup=1)["steps"] == 2
+  # Two: the second, milliseconds at 4,096 parameters, asks for many more.
+  r = _measure_in_process("fp32", 2, warmup=2)
+  assert 2 < r["steps"] <= netbench_worker.MAX_TIMED_STEPS, r["steps"]
 
 
 def test_host_work_is_the_busiest_hosts_cpu_outside_its_collectives():

@@ -25,14 +25,20 @@ def test_collectives_interpolate_between_sizes_and_keep_the_last_rate_beyond():
   assert step_model.collective_seconds(GATHER, 1) == pytest.approx(0.001)
 
 
-def test_work_is_a_line_through_the_probed_sizes_never_below_zero():
-  assert step_model.work_seconds(LOCO, 2**24) == pytest.approx(0.002 + 0.024 / 3 * 16)
-  # A smaller second point is noise: a constant, the mean.
-  flat = calib.MethodWork("x", (2**20, 2**22), (0.004, 0.002))
-  assert step_model.work_seconds(flat, 2**24) == pytest.approx(0.003)
-  # A line through a negative intercept: proportional instead (least squares through zero).
-  steep = calib.MethodWork("x", (1, 2), (0.0, 0.010))
-  assert step_model.work_seconds(steep, 4) == pytest.approx(4 * 0.020 / 5)
+def test_work_runs_through_the_probed_sizes_never_below_zero():
+  assert step_model.work_seconds(LOCO, 2**22) == pytest.approx(0.034)
+  assert step_model.work_seconds(LOCO, 2**21) == pytest.approx(0.018)
+  # Beyond the probed sizes, the nearest segment's slope.
+  assert step_model.work_seconds(LOCO, 2**24) == pytest.approx(0.010 + 0.024 / 3 * 15)
+  assert step_model.work_seconds(LOCO, 2**18) == pytest.approx(0.010 - 0.024 / 3 * 0.75)
+  # A segment that falls (noise) stops at zero; one size is proportional.
+  falling = calib.MethodWork("x", (2**20, 2**22), (0.004, 0.002))
+  assert step_model.work_seconds(falling, 2**24) == 0.0
+  one = calib.MethodWork("x", (2**20,), (0.004,))
+  assert step_model.work_seconds(one, 2**22) == pytest.approx(0.016)
+  # Bent: measured at 16M, the work there is what was measured, not the line's.
+  bent = calib.MethodWork("x", (2**20, 2**22, 2**24), (0.003, 0.010, 0.086))
+  assert step_model.work_seconds(bent, 2**24) == pytest.approx(0.086)
 
 
 def test_a_step_is_its_collectives_plus_the_methods_work():

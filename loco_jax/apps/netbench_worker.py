@@ -7,6 +7,7 @@ given `--uplinks` also reads the inter-node links' counters around the timed ste
 
 import argparse
 import json
+import math
 import os
 import signal
 import statistics
@@ -22,6 +23,10 @@ from loco_jax.apps import sent as counters
 # (a two-level run). A host that dies is seen at once by netbench (its exit), one that hangs by
 # --timeout.
 HEARTBEAT_TIMEOUT_S = 120
+# The median holds at least this many seconds of steps: at 2 hosts and 1 Gb/s, 5 steps of
+# about 60 ms put loco's median 19% over that of 15 on the same hosts.
+MIN_TIMED_S = 1.0
+MAX_TIMED_STEPS = 60
 
 # End-to-end training (adamw): ddp with the gradient averaged by each, then zero2 and fsdp
 # (parallel's modes, the demo GPT split into layers) reduce-scattering it in float32 or with
@@ -248,14 +253,24 @@ def gradient(row: int, n_params: int):
           * (np.arange(n_params, dtype=np.float32) % 7 + 1) * 1e-3)
 
 
-def _ones(mesh, jax):
-  """float32 ones, one a device of `mesh`, built from each host's own share."""
+def _ones(mesh, jax, value: float = 1.0):
+  """float32 `value`s, one a device of `mesh`, built from each host's own share."""
   import numpy as np
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
   return jax.make_array_from_callback(
       (mesh.size,), NamedSharding(mesh, P(netbench_methods.mesh_axes(mesh))),
-      lambda idx: np.ones(mesh.size, np.float32)[idx])
+      lambda idx: np.full(mesh.size, value, np.float32)[idx])
+
+
+def timed_steps(least: int, step_s: float) -> int:
+  """Steps to time: at least `least`, and enough for MIN_TIMED_S (at most MAX_TIMED_STEPS).
+
+  Example:
+    >>> timed_steps(5, 2.0), timed_steps(5, 0.06), timed_steps(5, 1e-4)
+    (5, 17, 60)
+  """
+  return max(least, min(MAX_TIMED_STEPS, math.ceil(MIN_TIMED_S / max(step_s, 1e-9))))
 
 
 def _uplinks_sent(uplinks: list[tuple[str, str]]) -> list[int]:
@@ -299,15 +314,22 @@ def _measure(method: str, args, mesh, barrier, ones, uplinks: list[tuple[str, st
     out, state = step(grads, state)
     return out
 
+  warm_s = 0.0
   for _ in range(args.warmup):
+    t0 = time.perf_counter()
     jax.block_until_ready(run_step())
-  jax.block_until_ready(barrier(ones))   # every host has finished the warm-up
+    warm_s = time.perf_counter() - t0
+  # Every host times as many steps, the mean of their counts (each from its last warm-up
+  # step: the first compiles); reading the sum waits for every host's warm-up.
+  mine = timed_steps(args.steps, warm_s) if args.warmup > 1 else args.steps
+  n_steps = round(float(np.asarray(barrier(_ones(mesh, jax, mine)).addressable_data(0))[0])
+                  / mesh.size)
   uplinks0 = _uplinks_sent(uplinks)
   jax.block_until_ready(barrier(ones))   # ... and the uplinks' counters are read
   table = netbench_methods.METHODS[method]
   counts0 = _host_values(state, table.counts)
   start = counters.read(args.interface)
-  step_s, cpu_s = _median_times(run_step, steps=args.steps, jax=jax)
+  step_s, cpu_s = _median_times(run_step, steps=n_steps, jax=jax)
   jax.block_until_ready(barrier(ones))  # the peers have received all this host sent
   sent = counters.read(args.interface).since(start)
   uplinks_sent = [b - a for a, b in zip(uplinks0, _uplinks_sent(uplinks))]
@@ -324,10 +346,10 @@ def _measure(method: str, args, mesh, barrier, ones, uplinks: list[tuple[str, st
   replay_ones = _ones(mesh, jax)
   jax.block_until_ready(replay(replay_ones))
   jax.block_until_ready(barrier(ones))
-  collectives_s, collectives_cpu_s = _median_times(replay, replay_ones, steps=args.steps, jax=jax)
-  per_step = args.steps * args.params
+  collectives_s, collectives_cpu_s = _median_times(replay, replay_ones, steps=n_steps, jax=jax)
+  per_step = n_steps * args.params
   return {
-      "method": method, "topology": table.topology, "steps": args.steps,
+      "method": method, "topology": table.topology, "steps": n_steps,
       # What ran: the step's collectives in order, the conditional ones left out.
       "exchange": " + ".join(dict.fromkeys(c.op for c in found if not c.conditional)),
       "counts": counts, "gauges": _host_values(state, table.gauges), "profile": profiled,

@@ -28,8 +28,9 @@ CHAIN = 4   # collectives in the program that times one more of them
 MIN_SAMPLE_S = 1.0   # seconds of timed calls a point holds at least: more repeats where fast
 MAX_REPEATS = 60
 # The work is a step's time less its collectives': at sizes where it is milliseconds, not the
-# noise of a TCP round trip (at 2**18 parameters, 2 hosts at 1 Gb/s, loco's was lost in it).
-WORK_PARAMS = (2**20, 2**22)
+# noise of a TCP round trip (at 2**18 parameters, 2 hosts at 1 Gb/s, loco's was lost in it), and
+# up to 16M, since it is not linear in size (step_model.work_seconds).
+WORK_PARAMS = (2**20, 2**22, 2**24)
 FLAT_METHODS = tuple(n for n, m in METHODS.items() if m.topology == "flat")
 HEARTBEAT_TIMEOUT_S = 120   # busy shared cores delay heartbeats (netbench_worker's, likewise)
 
@@ -99,7 +100,7 @@ def check_args(args) -> None:
   if args.cpu_devices is not None and args.cpu_devices < 1:
     raise ValueError(f"--cpu-devices must be >= 1, got {args.cpu_devices}")
   if args.process_id == 0:
-    from loco_jax.apps.netbench import check_writable
+    from loco_jax.apps.netbench_args import check_writable
     check_writable(args.out, "--out")
 
 
