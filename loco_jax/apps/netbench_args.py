@@ -3,12 +3,11 @@
 import argparse
 import importlib.util
 import os
-import tempfile
-from pathlib import Path
 
 from loco_jax.apps import netbench_probe, netns
 from loco_jax.apps.netbench_methods import FLAT_DEFAULT, METHODS, TWO_LEVEL_DEFAULT
 from loco_jax.apps.netbench_worker import PARAM_GATHERS, TRAIN_METHODS
+from loco_jax.train import files
 
 MIN_RATE_FRACTION = 0.9       # the fp32 all-reduce must reach 90% of the nominal rate
 FLOAT32_COPIES = 4            # of the gradient a device holds at least (--params' upper bound)
@@ -45,7 +44,8 @@ def parser() -> argparse.ArgumentParser:
                  help=f"comma-separated (default: {','.join(FLAT_DEFAULT)}; with --nodes > 1: "
                       f"{','.join(TWO_LEVEL_DEFAULT)}). {_methods_help()}")
   p.add_argument("--devices-per-host", type=int, default=1)
-  p.add_argument("--steps", type=int, default=5, help="timed steps at least: more where they take under a second together "
+  p.add_argument("--steps", type=int, default=5,
+                 help="timed steps at least: more where they take under a second together "
                       "(the median is reported)")
   p.add_argument("--warmup", type=int, default=2)
   p.add_argument("--profile", type=int, default=0,
@@ -152,22 +152,6 @@ def _check_training(args) -> None:
                      f"--devices-per-host ({args.devices_per_host})")
 
 
-def check_writable(path: str, option: str) -> None:
-  """ValueError unless a file can be created at `path` (its folder exists and takes a new file,
-  and `path` is not a folder): tried with a temp file beside it, removed at once."""
-  target = Path(path)
-  if not path or target.is_dir():
-    raise ValueError(f"{option} must name a file, got {path!r}")
-  folder = target.parent
-  if not folder.is_dir():
-    raise ValueError(f"{option} {path!r}: the folder {str(folder)!r} does not exist")
-  try:
-    with tempfile.NamedTemporaryFile(dir=folder, prefix=f".{target.name}.", suffix=".probe"):
-      pass
-  except OSError as e:
-    raise ValueError(f"{option} {path!r} cannot be written: {e.strerror or e}") from None
-
-
 def check(args) -> list[tuple[str, str | None]]:
   """Every argument checked before anything is built; -> the (rate, inter-node rate) settings."""
   netns.check_topology(args.hosts, args.nodes, args.delay, args.burst)
@@ -197,7 +181,7 @@ def check(args) -> list[tuple[str, str | None]]:
   netbench_probe.check_args(args, rates)
   for option, path in (("--json", args.json), ("--png", args.png), ("--probe", args.probe)):
     if path is not None:
-      check_writable(path, option)
+      files.check_writable(path, option)
   if args.json is not None and args.png is not None and \
       os.path.abspath(args.json) == os.path.abspath(args.png):
     raise ValueError(f"--json and --png name the same file {args.json!r}")

@@ -100,8 +100,8 @@ def check_args(args) -> None:
   if args.cpu_devices is not None and args.cpu_devices < 1:
     raise ValueError(f"--cpu-devices must be >= 1, got {args.cpu_devices}")
   if args.process_id == 0:
-    from loco_jax.apps.netbench_args import check_writable
-    check_writable(args.out, "--out")
+    from loco_jax.train import files
+    files.check_writable(args.out, "--out")
 
 
 def _rounds(job: "_Job", fns: Sequence[Callable[[], object]], repeats: int) -> list[list[float]]:

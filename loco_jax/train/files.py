@@ -1,6 +1,6 @@
-"""Result files written whole or not at all: a temp file (or folder) beside the target, then a
-rename; digests of a folder's files, to tell a complete folder from a damaged one; and JSON read
-from files that may come from anywhere."""
+"""Result files written whole or not at all: checked writable before the work, then a temp file
+(or folder) beside the target and a rename; digests of a folder's files, to tell a complete
+folder from a damaged one; and JSON read from files that may come from anywhere."""
 
 import contextlib
 import hashlib
@@ -19,6 +19,22 @@ from typing import Any, Iterator
 import numpy as np
 
 MAX_JSON_DEPTH = 64
+
+
+def check_writable(path: str | os.PathLike, option: str) -> None:
+  """ValueError unless a file can be created at `path` (its folder exists and takes a new file,
+  and `path` is not a folder): tried with a temp file beside it, removed at once."""
+  target = Path(path)
+  if not path or target.is_dir():
+    raise ValueError(f"{option} must name a file, got {path!r}")
+  folder = target.parent
+  if not folder.is_dir():
+    raise ValueError(f"{option} {path!r}: the folder {str(folder)!r} does not exist")
+  try:
+    with tempfile.NamedTemporaryFile(dir=folder, prefix=f".{target.name}.", suffix=".probe"):
+      pass
+  except OSError as e:
+    raise ValueError(f"{option} {path!r} cannot be written: {e.strerror or e}") from None
 
 
 def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:
