@@ -14,7 +14,7 @@ import signal
 import statistics
 import sys
 import time
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from loco_jax.apps import calibration as calib
 from loco_jax.apps import netbench_methods, step_model
@@ -174,9 +174,27 @@ def _compiled(job: _Job, method: str, n_params: int):
   return run, found
 
 
+def timed_sizes(op: str, run_at: Iterable[float], sizes: Sequence[int], n: int) -> list[int]:
+  """The buffer bytes at which `op` is timed over `n` devices: `sizes`, and below the smallest
+  the sizes a method's step runs it at (`run_at`): a scalar all-reduce is not a small one (at
+  4 hosts, 1 Gb/s: co3-fp4-coded's three took 2.1 ms together in its step, where one of 16 bytes
+  cost 4.4 ms). Whole 4-byte elements, in `n` equal pieces but for an all-reduce; increasing.
+
+  Example:
+    >>> timed_sizes("all-reduce", [4.0, 8.0, 2e6], (4096, 65536), 4)
+    [4, 8, 4096, 65536]
+    >>> timed_sizes("all-gather", [12.0], (4096, 65536), 4)
+    [16, 4096, 65536]
+  """
+  piece = 4 if op == "all-reduce" else 4 * n
+  below = [int(b) for b in run_at if b < sizes[0]]
+  return sorted({max(b - b % piece, piece) for b in (*below, *sizes)})
+
+
 def measure_collective(job: _Job, op: str, dtype: str, sizes: Sequence[int], repeats: int,
                        max_call_s: float) -> tuple[calib.CollectiveTiming, list[float]]:
-  """(`op` over every device at each size, what the first of a program costs more at each).
+  """(`op` over every device at each size (`timed_sizes`), what the first of a program costs
+  more at each).
 
   A step runs its collectives one after the other: one alone costs more (the processes meet
   at it, the shaper's bucket refilled while it waited). So each size is timed as one call and
@@ -187,7 +205,6 @@ def measure_collective(job: _Job, op: str, dtype: str, sizes: Sequence[int], rep
   from loco_jax import comm
   n, measured, seconds, firsts = job.mesh.size, [], [], []
   for nbytes in sizes:
-    nbytes = max(nbytes - nbytes % (4 * n), 4 * n)   # whole elements, cut in n equal pieces
     one = comm.Collective(op, dtype if op in calib.REDUCING else "u8", nbytes, n)
     alone, chained = (netbench_methods.collectives_replay([one] * k, job.mesh)
                       for k in (1, CHAIN))
@@ -236,14 +253,16 @@ def probe(methods: Sequence[str], work_params: Sequence[int] = WORK_PARAMS,
   """Measures the calibration on this job's devices (every process calls it alike)."""
   import jax
   job = _Job()
-  ops = {}   # (op, dtype) of every collective the methods run, in the order first met
+  ops = {}   # (op, dtype) of the methods' collectives, first met first: (dtype, bytes they run at)
   for method in methods:
     for c in _compiled(job, method, work_params[0])[1]:
       if c.group_size > 1:
-        ops.setdefault((c.op, calib.key_dtype(c.op, c.dtype)), c.dtype)
+        ops.setdefault((c.op, calib.key_dtype(c.op, c.dtype)), (c.dtype, []))[1].append(c.nbytes)
   timings, firsts = [], []
-  for (op, _), dtype in ops.items():
-    timing, first = measure_collective(job, op, dtype, sizes, repeats, max_call_s)
+  for (op, _), (dtype, run_at) in ops.items():
+    timing, first = measure_collective(job, op, dtype, timed_sizes(op, run_at, sizes,
+                                                                   job.mesh.size),
+                                       repeats, max_call_s)
     timings.append(timing)
     firsts += first
     _progress(f"{op} ({timings[-1].dtype}): " + ", ".join(
