@@ -1,6 +1,7 @@
 """`loco-jax advise`: fidelity from the long runs, the recommendation, the CLI and its bad input."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -160,12 +161,36 @@ def test_the_check_finds_a_step_off_its_prediction(tmp_path, capsys):
   stored = root / "docs" / "records" / "advise_4hosts_100mbit_4m.json"
   records = json.loads(stored.read_text())
   assert check.main([str(stored)]) == 0
-  assert "| 4 | 100mbit | 4194304 | 9 of 9 |" in capsys.readouterr().out
+  assert "| 4 | 100mbit | 4194304 | 1 | 9 of 9 |" in capsys.readouterr().out
   loco = next(r for r in records if r["method"] == "loco")
-  loco["step_s"] *= 1.3
+  step_s = loco["step_s"]
+  loco["step_s"] = step_s * 1.3
   (tmp_path / "off.json").write_text(json.dumps(records))
   assert check.main([str(tmp_path / "off.json")]) == 1
   assert "MISSED: 4 hosts, 100mbit, 4194304 params: loco measured" in capsys.readouterr().out
-  (tmp_path / "twice.json").write_text(json.dumps(records + [loco]))
-  with pytest.raises(SystemExit, match="two records of loco"):
-    check.main([str(tmp_path / "twice.json")])
+  loco["step_s"] = records[0]["step_s"] * 1.2   # the advised method, now slower than fp32
+  (tmp_path / "slow.json").write_text(json.dumps(records))
+  assert records[0]["method"] == "fp32" and check.main([str(tmp_path / "slow.json")]) == 1
+  assert re.search(r"advised loco took \+\d+\.\d% against the fastest, [\w-]+, and \+20\.0% "
+                   r"against fp32", capsys.readouterr().out)
+  # Three runs of the setting: the median of loco's runs holds where one run of three is off...
+  again = [dict(r, step_s=r["step_s"] * 1.01) for r in records if r is not loco]
+  rerun = dict(loco, step_s=step_s)
+  (tmp_path / "again.json").write_text(json.dumps(again + [rerun]))
+  (tmp_path / "third.json").write_text(json.dumps([dict(rerun, step_s=step_s * 0.99)]))
+  runs = [str(tmp_path / name) for name in ("off.json", "again.json", "third.json")]
+  assert check.main(runs) == 0
+  assert "| 4 | 100mbit | 4194304 | 3 | 9 of 9 |" in capsys.readouterr().out
+  # ...and misses where two of three are, naming every run.
+  (tmp_path / "third.json").write_text(json.dumps([dict(rerun, step_s=step_s * 1.3)]))
+  assert check.main(runs) == 1
+  assert f"(the median of runs of {step_s * 1.3e3:.1f}, {step_s * 1e3:.1f}, " \
+         f"{step_s * 1.3e3:.1f} ms)" in capsys.readouterr().out
+  other = dict(rerun, collectives=["all-gather:u8:8:data"])
+  (tmp_path / "other.json").write_text(json.dumps([other]))
+  with pytest.raises(SystemExit, match="differ in collectives"):
+    check.main([str(tmp_path / "off.json"), str(tmp_path / "other.json")])
+  pinned = dict(rerun, host_cpus=[[i] for i in range(rerun["hosts"])])
+  (tmp_path / "pinned.json").write_text(json.dumps([pinned]))
+  with pytest.raises(SystemExit, match="differ in host_cpus"):
+    check.main([str(tmp_path / "off.json"), str(tmp_path / "pinned.json")])
