@@ -2,8 +2,8 @@
 
 Every process of the job runs it, as it runs training (jax.distributed; one process alone needs
 no coordinator). It compiles each method's exchange step, finds which collectives they run,
-times each of those ops over all devices at growing buffer sizes (until a call takes
---max-call-s), and times each method's step and its collectives alone at --work-params: the
+times each of those ops over all devices at the sizes the steps run it at and at growing
+buffer sizes (until a call takes --max-call-s), and times each method's step and its collectives alone at --work-params: the
 difference is the method's work. Process 0 writes the calibration (docs/guides/advise.md).
 """
 
@@ -175,20 +175,21 @@ def _compiled(job: _Job, method: str, n_params: int):
 
 
 def timed_sizes(op: str, run_at: Iterable[float], sizes: Sequence[int], n: int) -> list[int]:
-  """The buffer bytes at which `op` is timed over `n` devices: `sizes`, and below the smallest
-  the sizes a method's step runs it at (`run_at`): a scalar all-reduce is not a small one (at
-  4 hosts, 1 Gb/s: co3-fp4-coded's three took 2.1 ms together in its step, where one of 16 bytes
-  cost 4.4 ms). Whole 4-byte elements, in `n` equal pieces but for an all-reduce; increasing.
+  """The buffer bytes at which `op` is timed over `n` devices: `sizes`, and the sizes a
+  method's step runs it at (`run_at`), where the steps' own time is read, not interpolated: a
+  collective's time is not monotone in its bytes (4 hosts, 1 Gb/s: an all-gather of 512 KB took
+  5.5 ms a call, one of 683 KB 4.5 ms), and a scalar all-reduce is not a 4 KB one (at 4 hosts,
+  1 Gb/s: co3-fp4-coded's three took 2.1 ms together in its step, where one of 16 bytes cost
+  4.4 ms). Whole 4-byte elements, in `n` equal pieces but for an all-reduce; increasing.
 
   Example:
-    >>> timed_sizes("all-reduce", [4.0, 8.0, 2e6], (4096, 65536), 4)
-    [4, 8, 4096, 65536]
-    >>> timed_sizes("all-gather", [12.0], (4096, 65536), 4)
-    [16, 4096, 65536]
+    >>> timed_sizes("all-reduce", [4.0, 8.0, 5000.0], (4096, 65536), 4)
+    [4, 8, 4096, 5000, 65536]
+    >>> timed_sizes("all-gather", [12.0, 699060.0, 699064.0], (4096, 65536), 4)
+    [16, 4096, 65536, 699056]
   """
   piece = 4 if op == "all-reduce" else 4 * n
-  below = [int(b) for b in run_at if b < sizes[0]]
-  return sorted({max(b - b % piece, piece) for b in (*below, *sizes)})
+  return sorted({max(int(b) - int(b) % piece, piece) for b in (*run_at, *sizes)})
 
 
 def measure_collective(job: _Job, op: str, dtype: str, sizes: Sequence[int], repeats: int,
@@ -255,9 +256,11 @@ def probe(methods: Sequence[str], work_params: Sequence[int] = WORK_PARAMS,
   job = _Job()
   ops = {}   # (op, dtype) of the methods' collectives, first met first: (dtype, bytes they run at)
   for method in methods:
-    for c in _compiled(job, method, work_params[0])[1]:
-      if c.group_size > 1:
-        ops.setdefault((c.op, calib.key_dtype(c.op, c.dtype)), (c.dtype, []))[1].append(c.nbytes)
+    for n_params in work_params:
+      for c in _compiled(job, method, n_params)[1]:
+        if c.group_size > 1:
+          ops.setdefault((c.op, calib.key_dtype(c.op, c.dtype)), (c.dtype, []))[1].append(
+              c.nbytes)
   timings, firsts = [], []
   for (op, _), (dtype, run_at) in ops.items():
     timing, first = measure_collective(job, op, dtype, timed_sizes(op, run_at, sizes,
