@@ -1,10 +1,11 @@
 """`loco-jax probe`: measures a cluster's calibration for `loco-jax advise`, on its own links.
 
 Every process of the job runs it, as it runs training (jax.distributed; one process alone needs
-no coordinator). It compiles each method's exchange step, finds which collectives they run,
-times each of those ops over all devices at the sizes the steps run it at and at growing
-buffer sizes (until a call takes --max-call-s), and times each method's step and its collectives alone at --work-params: the
-difference is the method's work. Process 0 writes the calibration (docs/guides/advise.md).
+no coordinator). It compiles each method's exchange step at --work-params, finds which
+collectives they run, times each of those ops over all devices at the sizes the steps run
+them at and at growing buffer sizes (until a call takes --max-call-s), and times each
+method's step and its collectives alone at --work-params: the difference is the method's
+work. Process 0 writes the calibration (docs/guides/advise.md).
 """
 
 import argparse
