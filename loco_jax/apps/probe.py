@@ -15,7 +15,7 @@ import signal
 import statistics
 import sys
 import time
-from typing import Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
 from loco_jax.apps import calibration as calib
 from loco_jax.apps import netbench_methods, step_model
@@ -136,7 +136,7 @@ class _Job:
     from jax.sharding import PartitionSpec as P
     from loco_jax.train import parallel
     self.jax, self.mesh = jax, parallel.data_mesh()
-    self._sharding = NamedSharding(self.mesh, P("data"))
+    self.sharding = NamedSharding(self.mesh, P("data"))
     self._max = jax.jit(jax.shard_map(lambda x: jax.lax.pmax(x, "data"), mesh=self.mesh,
                                       in_specs=P("data"), out_specs=P()))
 
@@ -145,34 +145,47 @@ class _Job:
     import numpy as np
     n = self.mesh.size
     x = self.jax.make_array_from_callback(
-        (n,), self._sharding, lambda idx: np.full(n, seconds, np.float32)[idx])
+        (n,), self.sharding, lambda idx: np.full(n, seconds, np.float32)[idx])
     return float(np.asarray(self._max(x).addressable_data(0))[0])
 
   def ones(self):
     import numpy as np
     n = self.mesh.size
-    return self.jax.make_array_from_callback((n,), self._sharding,
+    return self.jax.make_array_from_callback((n,), self.sharding,
                                              lambda idx: np.ones(n, np.float32)[idx])
 
 
-def _compiled(job: _Job, method: str, n_params: int):
-  """(run one step, the collectives of its compiled program) of `method` at `n_params`."""
-  from jax.sharding import NamedSharding
-  from jax.sharding import PartitionSpec as P
+class _Step(NamedTuple):
+  """A method's exchange step at one size, compiled once: for its collectives and its runs."""
+  method: str
+  n_params: int
+  compiled: Any      # jax.stages.Compiled
+  found: list        # comm.collectives_per_step of its program
+
+
+def _compile(job: _Job, method: str, n_params: int) -> _Step:
+  import jax.numpy as jnp
   from loco_jax import comm
+  step, state = netbench_methods.exchange_step(method, n_params, job.mesh)
+  grads = job.jax.ShapeDtypeStruct((job.mesh.size, n_params), jnp.float32, sharding=job.sharding)
+  compiled = step.lower(grads, state).compile()
+  return _Step(method, n_params, compiled,
+               comm.collectives_per_step(compiled.as_text(), job.mesh.size))
+
+
+def _runner(job: _Job, step: _Step) -> Callable[[], object]:
+  """Runs `step` on the same gradients a call, its state carried from call to call. Made here,
+  not held with the compiled step, so that one method's arrays at a time are in memory."""
   from loco_jax.apps.netbench_worker import gradient
-  jax, mesh = job.jax, job.mesh
-  grads = jax.make_array_from_callback((mesh.size, n_params), NamedSharding(mesh, P("data")),
-                                       lambda idx: gradient(idx[0].start or 0, n_params))
-  step, state = netbench_methods.exchange_step(method, n_params, mesh)
-  found = comm.collectives_per_step(step.lower(grads, state).compile().as_text(), mesh.size)
-  box = [state]
+  grads = job.jax.make_array_from_callback((job.mesh.size, step.n_params), job.sharding,
+                                           lambda idx: gradient(idx[0].start or 0, step.n_params))
+  box = [netbench_methods.exchange_step(step.method, step.n_params, job.mesh)[1]]
 
   def run():
-    out, box[0] = step(grads, box[0])
+    out, box[0] = step.compiled(grads, box[0])
     return out
 
-  return run, found
+  return run
 
 
 def timed_sizes(op: str, run_at: Iterable[float], sizes: Sequence[int], n: int) -> list[int]:
@@ -222,25 +235,25 @@ def measure_collective(job: _Job, op: str, dtype: str, sizes: Sequence[int], rep
                                  tuple(seconds)), firsts)
 
 
-def measure_work(job: _Job, method: str, params: Sequence[int], repeats: int,
-                 timings: calib.Calibration, max_step_s: float) -> calib.MethodWork:
-  """`method`'s step less its collectives replayed alone (the slowest process's medians), at
-  each size;
-  a size after the first is skipped where `timings` put its collectives over `max_step_s`."""
+def measure_work(job: _Job, steps: Sequence[_Step], repeats: int, timings: calib.Calibration,
+                 max_step_s: float) -> calib.MethodWork:
+  """A method's step less its collectives replayed alone (the slowest process's medians), at
+  each of its `steps` (one a size, increasing); a size after the first is skipped where
+  `timings` put its collectives over `max_step_s`."""
   seconds, measured = [], []
-  for n_params in params:
-    run, found = _compiled(job, method, n_params)
-    if measured and sum(step_model.wire_seconds(timings, found)) > max_step_s:
+  for step in steps:
+    if measured and sum(step_model.wire_seconds(timings, step.found)) > max_step_s:
       break
-    measured.append(n_params)
-    replay, ones = netbench_methods.collectives_replay(found, job.mesh), job.ones()
+    measured.append(step.n_params)
+    run = _runner(job, step)
+    replay, ones = netbench_methods.collectives_replay(step.found, job.mesh), job.ones()
     # Each timed back to back, as training runs steps: interleaved with the replay, the steps
     # ran faster (2 hosts, 1 Gb/s: loco's work 6.6 ms against 24.6 ms in netbench's steps).
-    (steps,), (replays,) = _rounds(job, [run], repeats), _rounds(job, [lambda: replay(ones)],
-                                                                  repeats)
-    seconds.append(max(job.slowest(statistics.median(steps))
+    (runs,), (replays,) = _rounds(job, [run], repeats), _rounds(job, [lambda: replay(ones)],
+                                                                 repeats)
+    seconds.append(max(job.slowest(statistics.median(runs))
                        - job.slowest(statistics.median(replays)), 0.0))
-  return calib.MethodWork(method, tuple(measured), tuple(seconds))
+  return calib.MethodWork(steps[0].method, tuple(measured), tuple(seconds))
 
 
 def _progress(line: str) -> None:
@@ -255,13 +268,10 @@ def probe(methods: Sequence[str], work_params: Sequence[int] = WORK_PARAMS,
   """Measures the calibration on this job's devices (every process calls it alike)."""
   import jax
   job = _Job()
+  steps = {m: [_compile(job, m, n) for n in work_params] for m in methods}
   ops = {}   # (op, dtype) of the methods' collectives, first met first: (dtype, bytes they run at)
-  for method in methods:
-    for n_params in work_params:
-      for c in _compiled(job, method, n_params)[1]:
-        if c.group_size > 1:
-          ops.setdefault((c.op, calib.key_dtype(c.op, c.dtype)), (c.dtype, []))[1].append(
-              c.nbytes)
+  for c in (c for at in steps.values() for step in at for c in step.found if c.group_size > 1):
+    ops.setdefault((c.op, calib.key_dtype(c.op, c.dtype)), (c.dtype, []))[1].append(c.nbytes)
   timings, firsts = [], []
   for (op, _), (dtype, run_at) in ops.items():
     timing, first = measure_collective(job, op, dtype, timed_sizes(op, run_at, sizes,
@@ -277,7 +287,7 @@ def probe(methods: Sequence[str], work_params: Sequence[int] = WORK_PARAMS,
                                wire.chunk_bytes())
   work = []
   for method in methods:
-    work.append(measure_work(job, method, work_params, repeats, measured, max_step_s))
+    work.append(measure_work(job, steps[method], repeats, measured, max_step_s))
     _progress(f"{method} work: " + ", ".join(
         f"{n} params {s * 1e3:.2f} ms" for n, s in zip(work[-1].n_params, work[-1].seconds)))
   return measured._replace(work=tuple(work))
