@@ -110,6 +110,23 @@ def test_eight_devices_continue_on_four(tmp_path, mode, name):
 
 
 @pytest.mark.slow
+def test_overlapped_diloco_continues_on_two_with_a_sync_in_flight(tmp_path):
+  # H = 4, tau = 3: the sync after step 8 (1-based) is merged after step 11, so the checkpoint
+  # of step 10 holds its result in the global params and the workers not yet merged.
+  extra = {"inner_steps": 4, "overlap": 3}
+  old = Run(parallel.data_mesh(4), "diloco", "loco4", **extra)
+  uninterrupted = old.train(range(SAVE_AT))
+  saved = jax.tree.map(jnp.copy, old.state)
+  uninterrupted += old.train(range(SAVE_AT, SAVE_AT + AFTER))
+  old.state = saved
+  new = Run(parallel.data_mesh(2), "diloco", "loco4", **extra)
+  restored, resumed = _resumed(tmp_path, old, new, range(SAVE_AT, SAVE_AT + AFTER))
+  assert restored.resharded.mesh == "(data=2)"
+  assert restored.state.params["w1"].sharding.device_set == set(jax.devices()[2:4])
+  _no_jump(uninterrupted, resumed, SAVE_AT)
+
+
+@pytest.mark.slow
 def test_two_hop_continues_on_fewer_nodes_and_local_devices(tmp_path):
   axes = ("node", "local")
   old = Run(parallel.node_mesh(2, 4), "ddp", "two_hop", axis_name=axes)

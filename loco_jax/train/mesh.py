@@ -6,6 +6,7 @@ import os
 from typing import NamedTuple
 
 import jax
+import numpy as np
 from jax.sharding import AxisType, Mesh
 
 
@@ -27,6 +28,36 @@ def node_mesh(nodes: int, local: int, axis_names: tuple[str, str] = ("node", "lo
                      f"got {nodes} x {local}")
   return jax.make_mesh((nodes, local), axis_names, axis_types=(AxisType.Auto,) * 2,
                        devices=jax.devices()[: nodes * local])
+
+
+def communication_mesh(mesh: Mesh) -> Mesh:
+  """`mesh`'s twin on other devices: each device's place taken by a device of the same process
+  outside `mesh`, where a DiLoCo sync runs beside the inner steps (`overlap`).
+
+  Example:
+    >>> communication_mesh(data_mesh(4)).devices.ravel().tolist() == jax.devices()[4:]
+    True
+  """
+  used = set(mesh.devices.flat)
+  spare = {}
+  for device in jax.devices():
+    if device not in used:
+      spare.setdefault(device.process_index, []).append(device)
+  twin = {}
+  for device in mesh.devices.flat:
+    free = spare.get(device.process_index, [])
+    if not free:
+      held = sum(d.process_index == device.process_index for d in used)
+      raise ValueError(
+          f"overlap runs each sync on a communication device of its own, and process "
+          f"{device.process_index} has no {jax.default_backend()} device outside the mesh for "
+          f"its {held} mesh device(s): give each process twice the mesh's devices (on CPU, "
+          f"jax.config.update('jax_num_cpu_devices', 2 * n) before jax starts, and a mesh of "
+          f"the first n), or pass overlap=0")
+    twin[device] = free.pop(0)
+  devices = [twin[d] for d in mesh.devices.flat]
+  return Mesh(np.array(devices).reshape(mesh.devices.shape), mesh.axis_names,
+              axis_types=mesh.axis_types)
 
 
 AxisNames = str | tuple[str, ...]

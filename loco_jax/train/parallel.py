@@ -16,8 +16,8 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 
 from loco_jax.train import ddp, diloco, fsdp, sharding, zero2
-from loco_jax.train.mesh import (AxisNames, TrainAxes, data_mesh, initialize, node_mesh,
-                                 train_axes)
+from loco_jax.train.mesh import (AxisNames, TrainAxes, communication_mesh, data_mesh,
+                                 initialize, node_mesh, train_axes)
 from loco_jax.train.shards import (PARAM_GATHERS, ParamGather, reduce_scatter, shard_params,
                                    unshard_params)
 from loco_jax.train.state import Outer, Setup, TrainState, init_opt_state, opt_state_specs
@@ -75,10 +75,11 @@ def _checked_gather(mode: str, compute_dtype, param_gather: str,
   return ParamGather(compute_dtype, param_gather, block_size)
 
 
-def _checked_outer(mode: str, inner_steps, outer_optimizer, fragments) -> Outer | None:
+def _checked_outer(mode: str, mesh: Mesh, inner_steps, outer_optimizer, fragments, overlap,
+                   alpha) -> Outer | None:
   """mode="diloco"'s outer step; a ValueError for an option another mode would ignore."""
   given = {"inner_steps": inner_steps, "outer_optimizer": outer_optimizer,
-           "fragments": fragments}
+           "fragments": fragments, "overlap": overlap, "alpha": alpha}
   if mode != "diloco":
     ignored = [name for name, value in given.items() if value is not None]
     if ignored:
@@ -91,7 +92,21 @@ def _checked_outer(mode: str, inner_steps, outer_optimizer, fragments) -> Outer 
   if inner_steps % fragments:
     raise ValueError(f"fragments={fragments} must divide inner_steps={inner_steps} (a fragment "
                      f"syncs every inner_steps / fragments steps)")
-  return Outer(outer_optimizer or DILOCO_OUTER, inner_steps, fragments)
+  if outer_optimizer is not None and not isinstance(outer_optimizer,
+                                                    optax.GradientTransformation):
+    raise TypeError(f"outer_optimizer must be an optax.GradientTransformation (e.g. "
+                    f"optax.sgd(0.7, momentum=0.9, nesterov=True)), got {outer_optimizer!r}")
+  overlap = 0 if overlap is None else overlap
+  if isinstance(overlap, bool) or not isinstance(overlap, int) or not 0 <= overlap < inner_steps:
+    raise ValueError(f"overlap must be an int in 0..{inner_steps - 1} (inner steps a sync runs "
+                     f"beside; inner_steps={inner_steps}: from {inner_steps} on a fragment's "
+                     f"sync would still run when its next one is due), got {overlap!r}")
+  alpha = (0.5 if overlap else 0.0) if alpha is None else alpha
+  if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 <= alpha <= 1:
+    raise ValueError(f"alpha must be a float in [0, 1] (the worker's share of its params when "
+                     f"a sync is merged), got {alpha!r}")
+  return Outer(outer_optimizer or DILOCO_OUTER, inner_steps, fragments, overlap, float(alpha),
+               communication_mesh(mesh) if overlap else None)
 
 
 def setup(params, optimizer: optax.GradientTransformation, mesh: Mesh, *,
@@ -99,7 +114,8 @@ def setup(params, optimizer: optax.GradientTransformation, mesh: Mesh, *,
           axis_name: AxisNames = "data", compute_dtype=jnp.float32,
           param_gather: str = "compute", block_size: int | None = None,
           inner_steps: int | None = None, outer_optimizer: optax.GradientTransformation | None
-          = None, fragments: int | None = None) -> Setup:
+          = None, fragments: int | None = None, overlap: int | None = None,
+          alpha: float | None = None) -> Setup:
   """The arguments of `init_train_state` / `make_train_step`, checked and resolved once: the
   mesh's data and model axes, the params' shapes and specs, the gather. A ValueError for a
   mode this mesh or compressor cannot run, or an option that would be ignored.
@@ -111,7 +127,7 @@ def setup(params, optimizer: optax.GradientTransformation, mesh: Mesh, *,
   """
   axes = _checked_axes(mesh, axis_name, mode, compressor)
   gather = _checked_gather(mode, compute_dtype, param_gather, block_size)
-  outer = _checked_outer(mode, inner_steps, outer_optimizer, fragments)
+  outer = _checked_outer(mode, mesh, inner_steps, outer_optimizer, fragments, overlap, alpha)
   if mode == "diloco" and compressor is None:
     compressor = uncompressed(axes.name)
   return Setup(mesh, axes, optimizer, compressor or optax.identity(), sharding.shapes_of(params),
@@ -123,7 +139,8 @@ def init_train_state(params, optimizer: optax.GradientTransformation, mesh: Mesh
                      mode: str = "ddp", axis_name: AxisNames = "data",
                      inner_steps: int | None = None,
                      outer_optimizer: optax.GradientTransformation | None = None,
-                     fragments: int | None = None):
+                     fragments: int | None = None, overlap: int | None = None,
+                     alpha: float | None = None):
   """A TrainState on the mesh and its PartitionSpecs (full specs on the mesh).
 
   Args:
@@ -136,7 +153,8 @@ def init_train_state(params, optimizer: optax.GradientTransformation, mesh: Mesh
       mode="diloco": averages the pseudo-gradients; None averages them in float32.
     mode: "ddp", "zero2", "fsdp" or "diloco" (train/ddp.py, zero2.py, fsdp.py, diloco.py).
     axis_name: the data axes, one or a tuple; every other mesh axis is a model axis.
-    inner_steps, outer_optimizer, fragments: mode="diloco" (see `make_train_step`).
+    inner_steps, outer_optimizer, fragments, overlap, alpha: mode="diloco" (see
+      `make_train_step`).
 
   Returns:
     (state, specs). zero2 and fsdp keep float32 master shards and the optimizer state on them;
@@ -144,7 +162,8 @@ def init_train_state(params, optimizer: optax.GradientTransformation, mesh: Mesh
   """
   return _MODULES[mode].init(setup(params, optimizer, mesh, compressor=compressor, mode=mode,
                                     axis_name=axis_name, inner_steps=inner_steps,
-                                    outer_optimizer=outer_optimizer, fragments=fragments),
+                                    outer_optimizer=outer_optimizer, fragments=fragments,
+                                    overlap=overlap, alpha=alpha),
                              params)
 
 
@@ -178,7 +197,8 @@ def make_train_step(loss_fn: Callable[[Any, Any], jax.Array],
                     compute_dtype=jnp.float32, param_gather: str = "compute",
                     block_size: int | None = None, inner_steps: int | None = None,
                     outer_optimizer: optax.GradientTransformation | None = None,
-                    fragments: int | None = None):
+                    fragments: int | None = None, overlap: int | None = None,
+                    alpha: float | None = None):
   """A jitted `step(state, batch) -> (state, mean loss)` for `loss_fn(params, batch)`.
 
   Args:
@@ -195,12 +215,17 @@ def make_train_step(loss_fn: Callable[[Any, Any], jax.Array],
       pseudo-gradient; default Nesterov SGD, lr 0.7, momentum 0.9 (`DILOCO_OUTER`).
     fragments: mode="diloco": F, parts of the params synced in turn, one every H / F steps
       (streaming DiLoCo); default 1.
+    overlap: mode="diloco": tau, the inner steps a sync runs beside before its result is
+      merged (default 0: the sync blocks). Each sync runs on a communication device of every
+      process (`communication_mesh`), so each process needs devices outside `mesh`.
+    alpha: mode="diloco": the worker's share of its own params when a sync is merged; default
+      0.5 with overlap (Streaming DiLoCo), else 0 (the worker takes the global params).
 
   Returns:
     The step; the batch's leading axis is split over the data axes. `step.jitted` is the
     jitted function, for lowering: `comm.lowered_collectives(step.jitted, state, batch)`.
-    mode="diloco": `step.jitted` is the inner step, `step.syncs[f]` an inner step followed by
-    fragment f's sync.
+    mode="diloco": `step.jitted` is the inner step; `step.syncs`, `step.merges` and
+    `step.lowered` are described in `diloco.make_step`.
 
   Example:
     >>> mesh, compressor = data_mesh(), loco_jax.loco(axis_name="data")
@@ -214,7 +239,8 @@ def make_train_step(loss_fn: Callable[[Any, Any], jax.Array],
   resolved = setup(params_like, optimizer, mesh, compressor=compressor, mode=mode,
                    axis_name=axis_name, compute_dtype=compute_dtype, param_gather=param_gather,
                    block_size=block_size, inner_steps=inner_steps,
-                   outer_optimizer=outer_optimizer, fragments=fragments)
+                   outer_optimizer=outer_optimizer, fragments=fragments, overlap=overlap,
+                   alpha=alpha)
   jitted = _MODULES[mode].make_step(resolved, loss_fn)
   axes, pspecs = resolved.axes, resolved.param_specs
   placed = (None if mode == "fsdp" or not axes.model else pspecs if mode in ("ddp", "diloco")
@@ -230,5 +256,5 @@ def make_train_step(loss_fn: Callable[[Any, Any], jax.Array],
 
   step.jitted = getattr(jitted, "jitted", jitted)
   if mode == "diloco":
-    step.syncs = jitted.syncs
+    step.syncs, step.merges, step.lowered = jitted.syncs, jitted.merges, jitted.lowered
   return step

@@ -46,6 +46,9 @@ class Outer(NamedTuple):
   optimizer: optax.GradientTransformation     # on the averaged pseudo-gradient
   inner_steps: int                            # H: steps between two syncs of a fragment
   fragments: int                              # F: parts of the params synced in turn
+  overlap: int = 0                            # tau: inner steps a sync runs beside
+  alpha: float = 0.0                          # the worker's share when a sync is merged
+  comm_mesh: Mesh | None = None               # overlap > 0: where the syncs run
 
 
 def opt_state_specs(optimizer: optax.GradientTransformation, params: Any, mesh: Mesh,
