@@ -48,7 +48,8 @@ import common
 AXIS = "data"
 # The demo's methods but loco4-fixed (its fixed error scale is not in the state: `error_stats`).
 BASE_METHODS = ("none", "bf16", "int4-noef", "ef2", "ef3", "ef4", "loco2", "loco3", "loco4",
-                "co3-fp4", "diloco", "diloco-loco4", "diloco-loco4-quantized")
+                "co3-fp4", "diloco", "diloco-loco4", "diloco-loco4-quantized", "diloco-overlap",
+                "diloco-loco4-overlap", "diloco-loco4-quantized-overlap")
 # The campaign of issue 27, in the order the workers take them: the two-seed pairs first, co3-fp4
 # (the slowest, docs/results/training.md "Long runs") early enough to run beside the others; ef3 and
 # ef2 last, the error feedback that loco3 and loco2 are held against.
@@ -82,6 +83,7 @@ class LongRunConfig:
   corpus_bytes: int = 64_000_000  # more than the stdlib's sources: all of them
   inner_steps: int = 32         # DiLoCo methods (the global params are evaluated)
   outer_lr: float = 0.7
+  overlap: int = 2              # the -overlap DiLoCo methods: inner steps a sync runs beside
 
   @property
   def name(self) -> str:
@@ -140,7 +142,7 @@ def demo_config(config: LongRunConfig):
       seq_len=config.seq_len, d_model=config.d_model, n_layers=config.n_layers,
       n_heads=config.n_heads, d_ff=config.d_ff, lr=config.peak_lr, seed=config.seed,
       reset_interval=config.reset_interval or 0, inner_steps=config.inner_steps,
-      outer_lr=config.outer_lr)
+      outer_lr=config.outer_lr, overlap=config.overlap)
 
 
 # --- Data, schedule, evaluation -------------------------------------------------------------------
@@ -187,7 +189,12 @@ def make_eval(loss_fn: Callable, mesh, eval_KxBxL: np.ndarray) -> Callable[[Any]
     return jax.lax.pmean(loss_fn(params, batch), AXIS)
 
   fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=P()))
-  return lambda params: float(np.mean([float(fn(params, b)) for b in eval_KxBxL]))
+
+  def evaluate(params) -> float:
+    # An overlapped DiLoCo run keeps its global params on the communication devices.
+    params = jax.device_put(params, jax.NamedSharding(mesh, P()))
+    return float(np.mean([float(fn(params, b)) for b in eval_KxBxL]))
+  return evaluate
 
 
 # --- What a record carries about the compressor ---------------------------------------------------
@@ -315,8 +322,9 @@ def build(config: LongRunConfig, text: Text) -> Built:
   step = parallel.make_train_step(loss_fn, optimizer, mesh, params, compressor=compressor,
                                   **options)
   start = time.perf_counter()
-  for program, _ in demo.step_programs(step, options.get("mode", "ddp"), options):
-    compiled = program.lower(state, jnp.asarray(text.batch(0))).compile()
+  for lowered, _ in demo.lowered_programs(step, options.get("mode", "ddp"), state,
+                                          jnp.asarray(text.batch(0))):
+    compiled = lowered.compile()
   # DiLoCo's step picks its program each step (compiled again on first use).
   return Built(state, step if options else compiled, schedule,
                make_eval(loss_fn, mesh, text.eval_KxBxL), time.perf_counter() - start)
@@ -526,7 +534,9 @@ def main(argv: list[str] | None = None) -> int:
   except ValueError as e:
     print(f"long_run: error: {e}", file=sys.stderr)
     return 2
-  common.setup(config.devices, "cpu", cache_dir=args.cache_dir)
+  # The -overlap methods run each sync on a second device a worker.
+  overlapped = any(c.method.endswith("-overlap") for c in configs)
+  common.setup(config.devices * (2 if overlapped else 1), "cpu", cache_dir=args.cache_dir)
   try:
     if args.mode == "time":
       print(timing_table(config, time_methods(config, args.methods.split(","),

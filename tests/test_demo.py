@@ -132,6 +132,13 @@ def test_bad_input_exits_2(tmp_path, capsys):
   (tmp_path / "no_text").mkdir()
   _fails(capsys, ["--data", str(tmp_path / "no_text"), *TINY], "no text files")
   assert cli.main(["demo", "--methods", "bogus"]) == 2
+  # The overlap options, refused where no method takes them or past their bounds.
+  _fails(capsys, ["--methods", "diloco-loco4", "--overlap", "2"], "--overlap applies to the "
+         "-overlap DiLoCo methods")
+  _fails(capsys, ["--methods", "loco4", "--alpha", "0.5"], "--alpha applies to the DiLoCo")
+  _fails(capsys, ["--methods", "diloco-overlap", "--alpha", "1.5"], "--alpha", "[0, 1]")
+  _fails(capsys, ["--methods", "diloco-overlap", "--inner-steps", "4", "--overlap", "4"],
+         "--overlap 4 must be below --inner-steps 4")
 
 
 def test_interrupted_demo_writes_nothing(tmp_path, monkeypatch, capsys):

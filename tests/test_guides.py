@@ -69,6 +69,10 @@ assert int(state.step) == 16
 for w, g in zip(jax.tree.leaves(state.workers), jax.tree.leaves(state.params)):
   assert all(np.array_equal(np.asarray(w)[i], np.asarray(g)) for i in range(8))
 assert not np.array_equal(np.asarray(state.params["w"]), np.asarray(params["w"]))
+# The overlapped run's global params live on the communication devices 4-7, its workers on 0-3.
+assert {d.id for d in state4.params["w"].sharding.device_set} == {4, 5, 6, 7}
+assert {d.id for d in state4.workers["w"].sharding.device_set} == {0, 1, 2, 3}
+assert int(state4.step) == 16 and np.isfinite(float(loss))
 """,
     "checkpoints.md": """
 import jax, numpy as np

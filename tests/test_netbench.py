@@ -116,6 +116,16 @@ BAD_ARGUMENTS = [
     (["--train-steps", "2"], "--train-steps"),
     (["--train-methods", "diloco", "--train-steps", "30"], "a multiple of --inner-steps 32"),
     (["--train-methods", "diloco", "--train-steps", "32"], "at least 2 of them"),
+    (["--train-methods", "diloco-overlap", "--train-steps", "64"], "give it (>= 1) exactly"),
+    (["--train-methods", "diloco", "--train-steps", "64", "--overlap", "2"],
+     "give it (>= 1) exactly"),
+    (["--train-methods", "diloco-overlap", "--train-steps", "64", "--overlap", "32"],
+     "--overlap must be in 0..31"),
+    (["--train-methods", "diloco-overlap", "--train-steps", "64", "--overlap", "2"],
+     "give at least 3 rounds, 96"),
+    (["--train-methods", "diloco", "--train-steps", "64", "--fragments", "3"],
+     "--fragments 3 must divide --inner-steps 32"),
+    (["--exchange-only", "--overlap", "2"], "--overlap is a training option"),
     (["--param-gather", "fp16"], "--param-gather"),
     (["--devices-per-host", "3", "--batch-per-host", "4"], "--batch-per-host"),
     # Issue 30: these ended in a traceback (exit 1) after the argument checks.
@@ -431,8 +441,9 @@ def test_diloco_training_sends_one_round_of_loco_over_its_inner_steps():
                            n_layers=2, n_heads=2, d_ff=64, warmup=1, eval_batches=2,
                            corpus_bytes=200_000)
   corpus, mesh = demo.load_corpus(config), parallel.data_mesh()
-  run = lambda method, h: netbench_worker._train(method, config, corpus, mesh, "lo", jax, jnp,
-                                                 P, inner_steps=h)
+  run = lambda method, h: netbench_worker._train(
+      method, config, corpus, mesh, "lo", jax, jnp, P,
+      outer={"inner_steps": h, "fragments": 1, "overlap": 0})
   every, half = run("diloco-loco", 1), run("diloco-loco", 2)
   ddp = run("loco", 1)
   assert np.isfinite(half["eval_loss"]) and half["overlapped_collectives"] >= 0
@@ -441,6 +452,30 @@ def test_diloco_training_sends_one_round_of_loco_over_its_inner_steps():
   assert half["predicted_bits_per_param"] == pytest.approx(
       every["predicted_bits_per_param"] / 2, rel=0.01)
   assert half["collectives_s"] > 0  # the sync's collectives, replayed in its share of the steps
+
+
+@pytest.mark.slow
+def test_overlapped_diloco_sends_what_the_blocking_one_does_and_times_its_steps_by_kind():
+  # On devices 0-3 with the syncs on 4-7: the same bits as the blocking sync (the sync's program
+  # on the communication devices, the inner and merge steps none), and the steps by kind.
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import PartitionSpec as P
+  from loco_jax.apps import demo, netbench_worker
+  from loco_jax.train import parallel
+  config = demo.DemoConfig(steps=12, devices=4, batch_per_device=1, seq_len=16, d_model=32,
+                           n_layers=2, n_heads=2, d_ff=64, warmup=1, eval_batches=2,
+                           corpus_bytes=200_000)
+  corpus, mesh = demo.load_corpus(config), parallel.data_mesh(4)
+  run = lambda method, tau: netbench_worker._train(
+      method, config, corpus, mesh, "lo", jax, jnp, P,
+      outer={"inner_steps": 4, "fragments": 1, "overlap": tau})
+  blocking, overlapped = run("diloco-loco", 1), run("diloco-loco-overlap", 1)
+  assert blocking["overlap"] == 0 and overlapped["overlap"] == 1
+  assert overlapped["predicted_bits_per_param"] == pytest.approx(
+      blocking["predicted_bits_per_param"], rel=0.01)
+  assert blocking["merge_step_s"] is None and overlapped["merge_step_s"] > 0
+  assert all(r[k] > 0 for r in (blocking, overlapped) for k in ("inner_s", "sync_step_s"))
 
 
 CO3_METHODS = ("co3-fp4", "co3-fp8", "co3-fp4-coded")

@@ -23,7 +23,8 @@ from loco_jax.train import files
 
 METHODS = ("none", "bf16", "int4-noef", "ef4", "loco4", "loco4-fixed", "co3-fp4", "ef2", "ef3",
            "loco2", "loco3", "co3-fp8", "co3-fp4-coded", "loco4-entropy", "diloco",
-           "diloco-loco4", "diloco-loco4-quantized")
+           "diloco-loco4", "diloco-loco4-quantized", "diloco-overlap", "diloco-loco4-overlap",
+           "diloco-loco4-quantized-overlap")
 CO3_METHODS = {"co3-fp4": ("fp4", "bf16"), "co3-fp8": ("fp8", "bf16"),
                "co3-fp4-coded": ("fp4", "coded")}  # method -> (fmt, gather)
 # Without --methods the demo runs these (the 2- and 3-bit methods are asked for by name).
@@ -33,6 +34,7 @@ LOCO_METHODS = ("loco4", "loco4-fixed", "loco2", "loco3", "loco4-entropy")
 # DiLoCo (parallel.make_train_step(mode="diloco")): method -> the outer average's method.
 DILOCO_METHODS = {"diloco": "none", "diloco-loco4": "loco4",
                   "diloco-loco4-quantized": "loco4-quantized"}
+DILOCO_METHODS.update({f"{m}-overlap": average for m, average in DILOCO_METHODS.items()})
 # loco4-entropy's slots: the demo's 4-bit codes carry 1.7-1.9 bits of entropy
 # (docs/results/co3.md); a slot that does not fit sends the step raw.
 ENTROPY_CAPACITY_BITS = 2.5
@@ -61,6 +63,9 @@ DESCRIPTIONS = {
     "diloco-loco4": "DiLoCo with the pseudo-gradients averaged by loco4 (bf16 gather)",
     "diloco-loco4-quantized": "DiLoCo with the pseudo-gradients averaged by loco4 with the "
                               "quantized gather (4 bits back, its own error)",
+    **{f"{m}-overlap": f"{m} with each sync run beside the next --overlap inner steps on a "
+                       f"device of its own, then merged half and half (alpha 0.5)"
+       for m in ("diloco", "diloco-loco4", "diloco-loco4-quantized")},
 }
 AXIS = "data"
 EVAL_SEED = 2024  # the held-out windows do not change with --seed
@@ -88,6 +93,8 @@ class DemoConfig:
   reset_interval: int = 1024  # LoCo methods: loco(reset_interval=...), 0 never resets
   inner_steps: int = 32       # DiLoCo methods: steps between two syncs
   outer_lr: float = 0.7       # DiLoCo methods: the outer Nesterov step's rate
+  overlap: int = 2            # the -overlap DiLoCo methods: inner steps a sync runs beside
+  alpha: float | None = None  # DiLoCo methods: a worker's own share at a merge (None: default)
 
   @property
   def global_batch(self) -> int:
@@ -179,8 +186,11 @@ def train_options(method: str, config: DemoConfig = DemoConfig()) -> dict[str, A
   if method not in DILOCO_METHODS:
     return {}
   import optax
+  overlap = {"overlap": config.overlap} if method.endswith("-overlap") else {}
+  alpha = {} if config.alpha is None else {"alpha": config.alpha}
   return {"mode": "diloco", "inner_steps": config.inner_steps,
-          "outer_optimizer": optax.sgd(config.outer_lr, momentum=0.9, nesterov=True)}
+          "outer_optimizer": optax.sgd(config.outer_lr, momentum=0.9, nesterov=True), **overlap,
+          **alpha}
 
 
 # --- Devices, data, model -------------------------------------------------------------------------
@@ -334,13 +344,12 @@ def co3_record(states: Sequence[Any], found: Sequence[Any], n_params: int, devic
                                           * resend) / len(states), 4)}
 
 
-def step_programs(step: Callable, mode: str, outer: dict[str, Any]) -> list[tuple[Any, float]]:
-  """The jitted programs a train step runs, each with its share of the steps: the step itself;
-  DiLoCo's inner step in (H - F) / H of them and each fragment's sync in 1 / H."""
+def lowered_programs(step: Callable, mode: str, state: Any, batch: Any) -> list[tuple[Any, float]]:
+  """The programs a train step runs, lowered, each with its share of the steps: the step
+  itself; DiLoCo's inner step and its syncs (and merges) in their shares (`diloco.make_step`)."""
   if mode != "diloco":
-    return [(step.jitted, 1.0)]
-  h, syncs = outer["inner_steps"], step.syncs
-  return [(step.jitted, (h - len(syncs)) / h)] + [(sync, 1 / h) for sync in syncs]
+    return [(step.jitted.lower(state, batch), 1.0)]
+  return step.lowered(state, batch)
 
 
 def per_device_bytes(tree: Any) -> int:
@@ -398,7 +407,7 @@ def run_method(name: str, compressor, config: DemoConfig, corpus: Corpus,
   n_params = num_params(params)
   optimizer = optimizer or make_optimizer(config)
   outer = {k: v for k, v in step_kwargs.items()
-           if k in ("inner_steps", "outer_optimizer", "fragments")}
+           if k in ("inner_steps", "outer_optimizer", "fragments", "overlap", "alpha")}
   state, specs = parallel.init_train_state(params, optimizer, mesh, compressor=compressor,
                                            mode=mode, **outer)
   step = parallel.make_train_step(loss_fn, optimizer, mesh, params,
@@ -406,8 +415,7 @@ def run_method(name: str, compressor, config: DemoConfig, corpus: Corpus,
   batches = corpus.train_SxBxL
   start = time.perf_counter()
   programs = []  # (compiled, its collectives, its share of the steps)
-  for program, share in step_programs(step, mode, outer):
-    lowered = program.lower(state, jnp.asarray(batches[0]))
+  for lowered, share in lowered_programs(step, mode, state, jnp.asarray(batches[0])):
     found = comm.collectives(lowered.as_text(dialect="hlo", debug_info=True), config.devices)
     programs.append((lowered.compile(), found, share))
   compile_s = time.perf_counter() - start
@@ -428,7 +436,10 @@ def run_method(name: str, compressor, config: DemoConfig, corpus: Corpus,
       progress.set_postfix(loss=f"{losses[-1]:.3f}", ms_step=f"{times[-1] * 1e3:.0f}",
                            refresh=False)
       progress.update()
-  final = (state.params if mode in ("ddp", "diloco") else
+  final = (state.params if mode == "ddp" else
+           # with overlap the global params live on the communication devices
+           jax.device_put(state.params, jax.NamedSharding(mesh, jax.P())) if mode == "diloco"
+           else
            parallel.unshard_params(state.params, params))
   tail = losses[-max(len(losses) // 10, 1):]
   co3 = (co3_record(co3_states, programs[0][1], n_params, config.devices, CO3_METHODS[name][1])
@@ -482,6 +493,16 @@ def _positive_float(text: str) -> float:
   return value
 
 
+def _fraction(text: str) -> float:
+  try:
+    value = float(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}") from None
+  if not 0 <= value <= 1:
+    raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {value}")
+  return value
+
+
 def parser() -> argparse.ArgumentParser:
   d = DemoConfig()
   p = argparse.ArgumentParser(
@@ -520,6 +541,12 @@ def parser() -> argparse.ArgumentParser:
                       f"alone between two syncs")
   p.add_argument("--outer-lr", type=_positive_float, default=d.outer_lr,
                  help="DiLoCo methods: the outer Nesterov step's learning rate (momentum 0.9)")
+  p.add_argument("--overlap", type=_positive_int, default=None,
+                 help=f"the -overlap DiLoCo methods: inner steps each sync runs beside, on a "
+                      f"second device a worker (below --inner-steps; default {d.overlap})")
+  p.add_argument("--alpha", type=_fraction, default=None,
+                 help="DiLoCo methods: a worker's share of its own params when a sync is merged "
+                      "(default 0.5 for the -overlap methods, 0 for the others)")
   p.add_argument("--eval-batches", type=_positive_int, default=d.eval_batches,
                  help="held-out batches for the eval loss")
   p.add_argument("--data", default=None,
@@ -537,7 +564,9 @@ def config_from_args(args: argparse.Namespace) -> DemoConfig:
                     seed=args.seed, fixed_scale=args.fixed_scale, eval_batches=args.eval_batches,
                     reset_interval=DemoConfig.reset_interval if args.reset_interval is None
                     else args.reset_interval, inner_steps=args.inner_steps,
-                    outer_lr=args.outer_lr)
+                    outer_lr=args.outer_lr,
+                    overlap=DemoConfig.overlap if args.overlap is None else args.overlap,
+                    alpha=args.alpha)
 
 
 def _choose_methods(text: str | None) -> tuple[list[str], dict[str, str]]:
@@ -593,6 +622,7 @@ def _check_config(config: DemoConfig, memory: int | None = None) -> None:
   this machine's)."""
   if config.d_model % config.n_heads:
     raise DemoError(f"--d-model {config.d_model} must be divisible by --heads {config.n_heads}")
+
   _check_memory(config, physical_memory() if memory is None else memory)
 
 
@@ -643,11 +673,22 @@ def main(argv: Sequence[str] | None = None) -> int:
       if args.reset_interval is not None and not set(methods) & set(LOCO_METHODS):
         raise DemoError(f"--reset-interval applies to the LoCo methods ({', '.join(LOCO_METHODS)})"
                         f"; none of them is among the methods run ({', '.join(methods)})")
+      overlapped = any(m.endswith("-overlap") for m in methods)
+      if args.overlap is not None and not overlapped:
+        raise DemoError(f"--overlap applies to the -overlap DiLoCo methods; none of them is "
+                        f"among the methods run ({', '.join(methods)})")
+      if args.alpha is not None and not set(methods) & set(DILOCO_METHODS):
+        raise DemoError(f"--alpha applies to the DiLoCo methods; none of them is among the "
+                        f"methods run ({', '.join(methods)})")
+      if overlapped and config.overlap >= config.inner_steps:
+        raise DemoError(f"--overlap {config.overlap} must be below --inner-steps "
+                        f"{config.inner_steps}: a sync would still run when the next is due")
       if args.data is not None and not Path(args.data).exists():
         raise DemoError(f"--data {args.data}: no such file or folder; expected a text file or "
                         f"a folder of .txt/.md/.py/.rst files")
       out, staging = _check_out(args.out)
-      setup_devices(config.devices)
+      # The -overlap methods run each sync on a second device a worker.
+      setup_devices(config.devices * (2 if overlapped else 1))
       corpus = load_corpus(config, args.data)
     except (DemoError, ValueError) as e:
       print(f"loco-jax demo: error: {e}", file=sys.stderr)

@@ -89,7 +89,8 @@ def run_hosts(net: netns.Network, args, workdir: str) -> list[dict]:
         cmd += ["--train-methods", args.train_methods, "--train-steps", str(args.train_steps),
                 "--train-model", args.train_model, "--batch-per-host", str(args.batch_per_host),
                 "--seq-len", str(args.seq_len), "--param-gather", args.param_gather,
-                "--inner-steps", str(args.inner_steps)]
+                "--inner-steps", str(args.inner_steps), "--fragments", str(args.fragments),
+                "--overlap", str(args.overlap)]
       procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                     preexec_fn=_die_with_parent))
     deadline = time.monotonic() + args.timeout + 10
@@ -185,6 +186,10 @@ def _print_tables(args, exchanges: list[dict], training: list[dict]) -> None:
   if training:
     print("\nEnd-to-end training (ddp, adamw; compute = the same step with no exchange):")
     print("\n".join(report.format_training_table(training)))
+    diloco = report.format_diloco_table(training)
+    if diloco:
+      print("\nDiLoCo's steps by kind (the slowest host's):")
+      print("\n".join(diloco))
   for setting, (share, fp32) in report.calibrations(exchanges).items():
     print(f"calibration at {setting}: one TCP stream carried {share:.1%} of the nominal rate "
           f"(check: {args.min_rate_fraction:.0%} to 100%)"

@@ -69,6 +69,12 @@ def parser() -> argparse.ArgumentParser:
                       "a multiple of --inner-steps, the first round not timed)")
   p.add_argument("--inner-steps", type=int, default=32,
                  help="the diloco methods' steps between two syncs")
+  p.add_argument("--fragments", type=int, default=1,
+                 help="the diloco methods' fragments, synced in turn (streaming DiLoCo)")
+  p.add_argument("--overlap", type=int, default=0,
+                 help="the -overlap diloco methods' inner steps a sync runs beside, on a second "
+                      "device of each host (below --inner-steps); given exactly when one of "
+                      "them trains")
   p.add_argument("--train-model", default="512,1,3072,8",
                  help="the demo GPT: d_model,n_layers,d_ff,n_heads (default: 4.5M parameters)")
   p.add_argument("--batch-per-host", type=int, default=2,
@@ -140,8 +146,23 @@ def _check_training(args) -> None:
     raise ValueError(f"--param-gather must be one of {PARAM_GATHERS}, got {args.param_gather!r}")
   if args.train_steps < 3:
     raise ValueError(f"--train-steps must be >= 3 (2 are not timed), got {args.train_steps}")
+  overlapped = [m for m in train if m.endswith("-overlap")]
+  if bool(overlapped) != (args.overlap != 0):
+    raise ValueError(f"--overlap sets the -overlap diloco methods' tau: give it (>= 1) exactly "
+                     f"when one of them trains (--overlap {args.overlap}, --train-methods "
+                     f"{args.train_methods})")
   if any(m.startswith("diloco") for m in train):
-    _positive(args, "inner_steps")
+    _positive(args, "inner_steps", "fragments")
+    if args.inner_steps % args.fragments:
+      raise ValueError(f"--fragments {args.fragments} must divide --inner-steps "
+                       f"{args.inner_steps}")
+    if not 0 <= args.overlap < args.inner_steps:
+      raise ValueError(f"--overlap must be in 0..{args.inner_steps - 1} (below --inner-steps), "
+                       f"got {args.overlap}")
+    if overlapped and args.train_steps < 3 * args.inner_steps:
+      raise ValueError(f"--train-steps {args.train_steps}: the -overlap methods compile their "
+                       f"first merge in their second round and time whole rounds from it: "
+                       f"give at least 3 rounds, {3 * args.inner_steps}")
     if args.train_steps % args.inner_steps or args.train_steps < 2 * args.inner_steps:
       raise ValueError(f"--train-steps {args.train_steps} must be a multiple of --inner-steps "
                        f"{args.inner_steps}, at least 2 of them, for the diloco methods (the "
@@ -178,6 +199,9 @@ def check(args) -> list[tuple[str, str | None]]:
     netns.rate_bits(r)
   if not args.exchange_only:
     _check_training(args)
+  elif args.overlap:
+    raise ValueError("--overlap is a training option (the -overlap diloco methods): drop it "
+                     "with --exchange-only")
   netbench_probe.check_args(args, rates)
   for option, path in (("--json", args.json), ("--png", args.png), ("--probe", args.probe)):
     if path is not None:

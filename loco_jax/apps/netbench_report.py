@@ -129,6 +129,10 @@ def summarize_training(results: list[dict], hosts: int, rate: str) -> list[dict]
         **_payload(mine),
         "predicted_bits_per_param": first["predicted_bits_per_param"],
         "overlapped_collectives": first.get("overlapped_collectives", 0)}
+    if "inner_s" in first:   # DiLoCo: its steps by kind, the slowest host's
+      record.update({k: first[k] for k in ("inner_steps", "fragments", "overlap")})
+      record.update({k: None if first[k] is None else max(r[k] for r in mine)
+                     for k in ("inner_s", "sync_step_s", "merge_step_s")})
     records.append(record)
   return records
 
@@ -152,6 +156,20 @@ def format_training_table(records: list[dict]) -> list[str]:
         f"{r['measured_bits_per_param']:.2f}, {r['payload_bits_per_param']:.2f} "
         f"({r['predicted_bits_per_param']:.2f}) | {r['overlapped_collectives']} |")
   return lines
+
+
+def format_diloco_table(records: list[dict]) -> list[str]:
+  """The DiLoCo methods' steps by kind: the inner step alone, the step that starts a sync
+  (without overlap the whole sync), the one that merges it (with overlap: the sync's rest)."""
+  lines = table_head("method", "H", "F", "overlap", "inner step ms", "sync step ms",
+                     "merge step ms", "mean step ms", "tokens/s vs compute")
+  ms = lambda s: "-" if s is None else f"{s * 1e3:.1f}"
+  for r in records:
+    if "inner_s" in r:
+      lines.append(f"| {r['method']} | {r['inner_steps']} | {r['fragments']} | {r['overlap']} | "
+                   f"{ms(r['inner_s'])} | {ms(r['sync_step_s'])} | {ms(r['merge_step_s'])} | "
+                   f"{ms(r['step_s'])} | {r['tokens_vs_compute']:.2f}x |")
+  return lines if len(lines) > 2 else []
 
 
 def expected_bits(record: dict) -> float:

@@ -33,9 +33,13 @@ MAX_TIMED_STEPS = 60
 # LoCo. "compute" averages nothing: the ddp step without the exchange, which splits every ddp
 # method's step into compute + exchange (for zero2 and fsdp the rest includes their gathers).
 # The diloco methods (mode="diloco") average the pseudo-gradients every --inner-steps steps in
-# float32 or with LoCo; their step time is the mean over whole rounds, syncs included.
+# float32 or with LoCo; their step time is the mean over whole rounds, syncs included. Their
+# -overlap forms run each sync on a second device of the host beside the next --overlap inner
+# steps.
+DILOCO_METHODS = ("diloco", "diloco-loco", "diloco-loco-quantized")
 TRAIN_METHODS = ("fp32", "bf16", "loco", "loco-quantized", "zero2-fp32", "zero2-loco",
-                 "fsdp-fp32", "fsdp-loco", "diloco", "diloco-loco", "diloco-loco-quantized")
+                 "fsdp-fp32", "fsdp-loco", *DILOCO_METHODS,
+                 *(f"{m}-overlap" for m in DILOCO_METHODS))
 # zero2 and fsdp gather the parameters in the compute dtype, or as int8 with block scales.
 PARAM_GATHERS = ("float32", "bfloat16", "int8")
 
@@ -70,6 +74,10 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--seq-len", type=int, default=64)
   p.add_argument("--param-gather", choices=PARAM_GATHERS, default="float32")
   p.add_argument("--inner-steps", type=int, default=32, help="the diloco methods' H")
+  p.add_argument("--fragments", type=int, default=1, help="the diloco methods' F")
+  p.add_argument("--overlap", type=int, default=0,
+                 help="the -overlap methods' tau (0: none of them runs); each host then has "
+                      "twice --devices-per-host devices, the second half for the syncs")
   return p
 
 
@@ -120,15 +128,17 @@ def _sharded_model(mode: str, config):
   return params, model, fsdp.layered_loss(model), fsdp.unshard_params
 
 
-def _train_options(method: str, inner_steps: int) -> tuple[str, Any, dict]:
-  """(mode, compressor, DiLoCo's options) of a training method."""
+def _train_options(method: str, outer: dict) -> tuple[str, Any, dict]:
+  """(mode, compressor, DiLoCo's options) of a training method; `outer`: DiLoCo's inner_steps,
+  fragments and overlap (taken by the -overlap methods only)."""
   from loco_jax import loco
   from loco_jax.train import parallel
   from loco_jax.transforms import baselines
   if method.startswith("diloco"):
+    base = method.removesuffix("-overlap")
     compressor = {"diloco": None, "diloco-loco": loco(axis_name="data"),
-                  "diloco-loco-quantized": loco(axis_name="data", gather="quantized")}[method]
-    return "diloco", compressor, {"inner_steps": inner_steps}
+                  "diloco-loco-quantized": loco(axis_name="data", gather="quantized")}[base]
+    return "diloco", compressor, {**outer, "overlap": outer["overlap"] if base != method else 0}
   mode, _, wire = method.rpartition("-") if method.startswith(("zero2-", "fsdp-")) else (
       "ddp", "", method)
   if mode == "ddp":
@@ -141,15 +151,17 @@ def _train_options(method: str, inner_steps: int) -> tuple[str, Any, dict]:
 
 
 def _train(method: str, config, corpus, mesh, interface: str, jax, jnp, P,
-           param_gather: str = "float32", inner_steps: int = 32):
-  """Trains the demo GPT with `method` averaging the gradients; this host's record."""
+           param_gather: str = "float32", outer: dict | None = None):
+  """Trains the demo GPT with `method` averaging the gradients; this host's record. `outer`:
+  the diloco methods' inner_steps, fragments and overlap."""
   import numpy as np
   from jax.sharding import NamedSharding
   from loco_jax import comm
   from loco_jax.apps import demo
   from loco_jax.apps.models import num_params
   from loco_jax.train import parallel
-  mode, compressor, outer = _train_options(method, inner_steps)
+  mode, compressor, outer = _train_options(
+      method, outer or {"inner_steps": 32, "fragments": 1, "overlap": 0})
   if mode in ("ddp", "diloco"):
     _, params, loss_fn = demo.make_model(config)
     eval_loss_fn, unshard = loss_fn, None
@@ -171,19 +183,28 @@ def _train(method: str, config, corpus, mesh, interface: str, jax, jnp, P,
   # Per step: a collective in fsdp's scan over layers runs once per layer. DiLoCo: each program
   # in its share of the steps.
   programs = []
-  for program, share in demo.step_programs(step, mode, outer):
-    text = program.lower(state, batches[0]).compile().as_text()
-    programs.append((text, comm.collectives_per_step(text, jax.device_count()), share))
+  for lowered, share in demo.lowered_programs(step, mode, state, batches[0]):
+    text = lowered.compile().as_text()
+    programs.append((text, comm.collectives_per_step(text, mesh.size), share))
   n_params = num_params(params)
-  # DiLoCo: its first round compiles the inner step and the sync, and is not timed.
-  times, warm = [], inner_steps if mode == "diloco" else 2
+  # DiLoCo: its first round compiles the inner step and the sync, and is not timed; whole
+  # rounds are. With overlap they start after the first merge (which compiles it) and end with
+  # a merge: no sync runs across either end (while tau is below a fragment's spacing).
+  times, warm = [], 2
+  if mode == "diloco":
+    warm = outer["inner_steps"] + outer["overlap"]
+    batches = batches[:warm + (len(batches) - warm) // outer["inner_steps"]
+                      * outer["inner_steps"]]
   start = None
   for i, batch in enumerate(batches):
-    if i == warm:
+    if i == warm:   # a sync still running (tau at or past a fragment's spacing) ends first ...
+      jax.block_until_ready(state)
       start = counters.read(interface)
     t0 = time.perf_counter()
     state, loss = step(state, batch)
     loss = float(np.asarray(loss.addressable_data(0)))
+    if i == len(batches) - 1:   # ... and one they start is counted whole, in the last step
+      jax.block_until_ready(state)
     times.append(time.perf_counter() - t0)
   sent = counters.read(interface).since(start)
   timed = len(batches) - warm
@@ -205,6 +226,7 @@ def _train(method: str, config, corpus, mesh, interface: str, jax, jnp, P,
   # A DiLoCo step's time is the mean over its whole rounds.
   step_s = (statistics.fmean(times[warm:]) if mode == "diloco" else statistics.median(times))
   return {"method": method, "step_s": step_s, "final_loss": loss,
+          **(_diloco_steps(times, warm, outer) if mode == "diloco" else {}),
           "collectives_s": collectives_s,
           "eval_loss": eval_loss, "n_params": n_params,
           "tokens_per_step": int(corpus.train_SxBxL.shape[1] * config.seq_len),
@@ -218,6 +240,24 @@ def _train(method: str, config, corpus, mesh, interface: str, jax, jnp, P,
                                         for text, _, _ in programs)}
 
 
+def _diloco_steps(times: list[float], warm: int, outer: dict) -> dict:
+  """A DiLoCo run's timed steps by kind: `inner_s` the median of the steps that neither start
+  a sync nor merge one (the inner step alone), `sync_step_s` the mean of those that start one
+  (without overlap: the inner step and the whole sync), `merge_step_s` that of those that merge
+  one (with overlap: what is left of the sync to wait for); None where no step is of a kind."""
+  from loco_jax.train import diloco
+  h, f, tau = outer["inner_steps"], outer["fragments"], outer["overlap"]
+  kinds = {"inner_s": [], "sync_step_s": [], "merge_step_s": []}
+  for k in range(warm, len(times)):
+    syncs = diloco.sync_fragment(k, h, f) is not None
+    merges = diloco.merge_fragment(k, h, f, tau) is not None
+    kinds["sync_step_s" if syncs else "merge_step_s" if merges else "inner_s"].append(times[k])
+  middle = {"inner_s": statistics.median, "sync_step_s": statistics.fmean,
+            "merge_step_s": statistics.fmean}
+  return {**{k: middle[k](v) if v else None for k, v in kinds.items()},   # None: no such step
+          "overlap": tau, "fragments": f, "inner_steps": h}
+
+
 def _median_times(fn, *args, steps: int, jax) -> tuple[float, float]:
   """`fn(*args)`'s median wall time and median process CPU time (every thread of this host)."""
   times, cpu = [], []
@@ -229,11 +269,22 @@ def _median_times(fn, *args, steps: int, jax) -> tuple[float, float]:
   return statistics.median(times), statistics.median(cpu)
 
 
+def _compute_mesh(args, jax):
+  """The 1-D "data" mesh of every host's first --devices-per-host devices (of all of them
+  without --overlap; with it the rest run the syncs)."""
+  import numpy as np
+  from jax.sharding import AxisType, Mesh
+  devices = [d for p in range(args.hosts) for d in sorted(
+      (d for d in jax.devices() if d.process_index == p), key=lambda d: d.id)[
+          :args.devices_per_host]]
+  return Mesh(np.array(devices), ("data",), axis_types=(AxisType.Auto,))
+
+
 def _meshes(args, jax) -> dict:
-  """{"flat": the 1-D "data" mesh of every device, "nodes": the (node, local) mesh where
-  --nodes > 1}, whose row k holds exactly the devices of node k's hosts."""
+  """{"flat": the 1-D "data" mesh of the compute devices, "nodes": the (node, local) mesh
+  where --nodes > 1}, whose row k holds exactly the devices of node k's hosts."""
   from loco_jax.train import parallel
-  meshes = {"flat": parallel.data_mesh()}
+  meshes = {"flat": _compute_mesh(args, jax)}
   if args.nodes > 1:
     mesh = parallel.node_mesh(args.nodes, jax.device_count() // args.nodes)
     for k, row in enumerate(mesh.devices):
@@ -396,7 +447,8 @@ def main(argv=None) -> int:
   if args.cpu is not None:  # before XLA:CPU sizes its thread pool by the cores it may use
     os.sched_setaffinity(0, {args.cpu})
   import jax
-  jax.config.update("jax_num_cpu_devices", args.devices_per_host)
+  # --overlap: a second device for each, where the -overlap methods' syncs run.
+  jax.config.update("jax_num_cpu_devices", args.devices_per_host * (2 if args.overlap else 1))
   from loco_jax.train import parallel
   parallel.initialize(args.coordinator, args.hosts, args.process_id,
                       gloo_hostname=args.address, initialization_timeout=min(args.timeout, 120),
@@ -422,7 +474,8 @@ def main(argv=None) -> int:
     for method in ["compute", *[m for m in args.train_methods.split(",") if m]]:
       jax.block_until_ready(barrier(ones))
       record = _train(method, config, corpus, mesh, args.interface, jax, jax.numpy, P,
-                      args.param_gather, args.inner_steps)
+                      args.param_gather, {"inner_steps": args.inner_steps,
+                                          "fragments": args.fragments, "overlap": args.overlap})
       print(json.dumps({"train": {**record, "host": args.process_id}}), flush=True)
   jax.distributed.shutdown()
   return 0

@@ -10,7 +10,7 @@ updated only when it syncs.
 
 With `overlap` tau > 0 a sync runs beside the next tau inner steps and its result is merged
 after them (Streaming DiLoCo's delayed merge). For each fragment, with W the worker's params,
-theta the global params and k the 0-based inner step:
+theta the global params and k the 0-based inner step::
 
   after step k, if the fragment syncs (`sync_fragment`):
       delta = theta - W                     (every worker's own)
@@ -42,7 +42,6 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from loco_jax.core import local_blocks, trees
@@ -226,31 +225,13 @@ def _local_mean(losses: jax.Array) -> jax.Array:
   return jnp.mean(jnp.concatenate(jax.device_put([s.data for s in shards], shards[0].device)))
 
 
-def _moved(x: jax.Array, target: NamedSharding) -> jax.Array:
-  """`x` on `target`'s devices: each of this process's shards copied to the device at its
-  place in `target`'s mesh (no collective, whatever the process count)."""
-  source = x.sharding
-  if source == target:
-    return x
-  if not (isinstance(source, NamedSharding)
-          and source.mesh.devices.shape == target.mesh.devices.shape):
-    return jax.device_put(x, target)
-  twin = dict(zip(source.mesh.devices.flat, target.mesh.devices.flat))
-  return jax.make_array_from_single_device_arrays(
-      x.shape, target, [jax.device_put(s.data, twin[s.device]) for s in x.addressable_shards])
-
-
-def _placed(tree: Any, mesh, specs: Any) -> Any:
-  return jax.tree.map(_moved, tree, sharding.named(mesh, specs))
-
-
 # What lives with the sync on the communication devices when it overlaps the inner steps.
 _WITH_THE_SYNC = ("params", "compressor_state", "outer_state")
 
 
 def _with_the_sync(state: DilocoState, mesh, specs: DilocoState) -> DilocoState:
   """`state` with the global params and the sync's states placed on `mesh`."""
-  return state._replace(**{f: _placed(getattr(state, f), mesh, getattr(specs, f))
+  return state._replace(**{f: sharding.placed(getattr(state, f), mesh, getattr(specs, f))
                            for f in _WITH_THE_SYNC})
 
 
@@ -293,40 +274,39 @@ def _programs(setup: Setup, loss_fn: Callable) -> _Programs:
   inner = _inner_step(setup, loss_fn)
   batch_spec = P(axes.name)
 
-  def program(then: Callable | None, state_specs: Any) -> Callable:
-    def local(state, batch):
-      state, losses = inner(state, batch)
-      return (state if then is None else then(state)), losses
+  def jitted(local: Callable, state_specs: Any) -> Callable:   # local(state, batch)
     io = ((state_specs, batch_spec), (state_specs, batch_spec))
     return steps.jit_step(steps.over_data(local, setup, *io), setup, io[1])
 
+  def inner_then(after: Callable) -> Callable:
+    def local(state, batch):
+      state, losses = inner(state, batch)
+      return after(state), losses
+    return local
+
   if not outer.overlap:
-    return _Programs(program(None, specs),
-                     tuple(program(_sync(setup, part, f), specs) for f, part in enumerate(parts)),
-                     ())
+    return _Programs(jitted(inner_then(lambda state: state), specs),
+                     tuple(jitted(inner_then(_sync(setup, part, f)), specs)
+                           for f, part in enumerate(parts)), ())
   inner_specs = _inner_only(specs)
 
-  def merge(part: list[int]) -> Callable:
+  def merge(part: list[int]) -> Callable:   # ((state, the new global params), batch)
     def local(both, batch):
       state, anchor = both
       state, losses = inner(state, batch)
       workers = _put(state.workers, part, _merged(_pick(state.workers, part), anchor, setup))
       return (state._replace(workers=workers), anchor), losses
-    io = (((inner_specs, _pick(setup.param_specs, part)), batch_spec),
-          ((inner_specs, _pick(setup.param_specs, part)), batch_spec))
-    return steps.jit_step(steps.over_data(local, setup, *io), setup, io[1])
+    return jitted(local, (inner_specs, _pick(setup.param_specs, part)))
 
-  on_comm = setup._replace(mesh=outer.comm_mesh)
+  def sync(f: int, part: list[int]) -> Callable:   # on the communication devices
+    anchor = _pick(setup.param_specs, part)
+    ins = (anchor, _pick(specs.workers, part), specs.compressor_state[f], specs.outer_state[f])
+    outs = (anchor, specs.compressor_state[f], specs.outer_state[f])
+    return jax.jit(steps.over_data(_outer_step(setup, part), setup._replace(
+        mesh=outer.comm_mesh), ins, outs), donate_argnums=(0, 2, 3),
+                   out_shardings=sharding.named(outer.comm_mesh, outs))
 
-  def sync(f: int, part: list[int]) -> Callable:
-    io = ((_pick(setup.param_specs, part), _pick(specs.workers, part), specs.compressor_state[f],
-           specs.outer_state[f]),)
-    io_out = (_pick(setup.param_specs, part), specs.compressor_state[f], specs.outer_state[f])
-    return jax.jit(steps.over_data(_outer_step(setup, part), on_comm, io[0], io_out),
-                   donate_argnums=(0, 2, 3),
-                   out_shardings=sharding.named(outer.comm_mesh, io_out))
-
-  return _Programs(program(None, inner_specs),
+  return _Programs(jitted(inner_then(lambda state: state), inner_specs),
                    tuple(sync(f, part) for f, part in enumerate(parts)),
                    tuple(merge(part) for part in parts))
 
@@ -366,14 +346,15 @@ def make_step(setup: Setup, loss_fn: Callable[[Any, Any], jax.Array]) -> Callabl
     if merging is None:
       inner, losses = programs.inner(_inner_only(state), batch)
     else:
-      anchor = _placed(_pick(state.params, parts[merging]), setup.mesh,
+      anchor = sharding.placed(_pick(state.params, parts[merging]), setup.mesh,
                        _pick(setup.param_specs, parts[merging]))
       (inner, _), losses = programs.merges[merging]((_inner_only(state), anchor), batch)
     state = inner._replace(**{f: getattr(state, f) for f in _WITH_THE_SYNC})
     f = sync_fragment(k, outer.inner_steps, outer.fragments)
     if f is not None:
       part = parts[f]
-      worker = _placed(_pick(inner.workers, part), outer.comm_mesh, _pick(specs.workers, part))
+      worker = sharding.placed(_pick(inner.workers, part), outer.comm_mesh,
+                               _pick(specs.workers, part))
       anchor, compressor_state, outer_state = programs.syncs[f](
           _pick(state.params, part), worker, state.compressor_state[f], state.outer_state[f])
       state = state._replace(
@@ -383,26 +364,22 @@ def make_step(setup: Setup, loss_fn: Callable[[Any, Any], jax.Array]) -> Callabl
     return state, losses
 
   def lowered(state: DilocoState, batch) -> list[tuple[Any, float]]:
-    shapes = lambda tree: jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
     h = outer.inner_steps
     if not outer.overlap:
       return ([(programs.inner.lower(state, batch), (h - len(parts)) / h)]
               + [(sync.lower(state, batch), 1 / h) for sync in programs.syncs])
-    state = shapes(_with_the_sync(state, outer.comm_mesh, specs))
     inner = _inner_only(state)
     out = [(programs.inner.lower(inner, batch), (h - len(parts)) / h)]
+    on_comm = lambda tree, specs: sharding.shapes_on(tree, outer.comm_mesh, specs)
     for f, part in enumerate(parts):
-      anchor = _pick(state.params, part)
-      here = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(
-          x.shape, x.dtype, sharding=NamedSharding(setup.mesh, s)), anchor,
-          _pick(setup.param_specs, part))
-      worker = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(
-          x.shape, x.dtype, sharding=NamedSharding(outer.comm_mesh, s)),
-          _pick(inner.workers, part), _pick(specs.workers, part))
-      out.append((programs.merges[f].lower((inner, here), batch), 1 / h))
-      out.append((programs.syncs[f].lower(anchor, worker, state.compressor_state[f],
-                                          state.outer_state[f]), 1 / h))
+      anchor, anchor_specs = _pick(state.params, part), _pick(setup.param_specs, part)
+      out.append((programs.merges[f].lower(
+          (inner, sharding.shapes_on(anchor, setup.mesh, anchor_specs)), batch), 1 / h))
+      out.append((programs.syncs[f].lower(
+          on_comm(anchor, anchor_specs), on_comm(_pick(state.workers, part),
+                                                 _pick(specs.workers, part)),
+          on_comm(state.compressor_state[f], specs.compressor_state[f]),
+          on_comm(state.outer_state[f], specs.outer_state[f])), 1 / h))
     return out
 
   step.jitted, step.syncs, step.merges, step.lowered = (programs.inner, programs.syncs,

@@ -175,3 +175,30 @@ def train_param_specs(params: Any, mesh: Mesh, axes: mesh_lib.TrainAxes) -> Any:
                      f"it too (axis_name={averaged!r}) or split params over it "
                      f"(NamedSharding(mesh, P(None, {idle[0]!r})))")
   return specs
+
+
+def moved(x: jax.Array, target: NamedSharding) -> jax.Array:
+  """`x` on `target`'s devices: each of this process's shards copied to the device at its
+  place in `target`'s mesh (no collective, whatever the process count)."""
+  source = x.sharding
+  if source == target:
+    return x
+  if not (isinstance(source, NamedSharding)
+          and source.mesh.devices.shape == target.mesh.devices.shape
+          and source.mesh.axis_names == target.mesh.axis_names
+          and same_specs(source.spec, target.spec)):
+    return jax.device_put(x, target)
+  twin = dict(zip(source.mesh.devices.flat, target.mesh.devices.flat))
+  return jax.make_array_from_single_device_arrays(
+      x.shape, target, [jax.device_put(s.data, twin[s.device]) for s in x.addressable_shards])
+
+
+def placed(tree: Any, mesh: Mesh, specs: Any) -> Any:
+  """`tree` on `mesh`, each leaf as its spec says (`moved`)."""
+  return jax.tree.map(moved, tree, named(mesh, specs))
+
+
+def shapes_on(tree: Any, mesh: Mesh, specs: Any) -> Any:
+  """`tree`'s shapes and dtypes, placed on `mesh` as `specs` say (for lowering)."""
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree,
+                      named(mesh, specs))
