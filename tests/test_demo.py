@@ -409,3 +409,8 @@ def test_reset_interval_resets_each_loco_method(method):
   np.testing.assert_allclose(reset, fresh, rtol=1e-6, atol=1e-7)
   kept, fresh = outputs(1024)
   assert np.abs(kept - fresh).max() > 1e-3 * np.abs(fresh).max()
+
+
+def test_the_old_step_programs_call_names_its_replacement():
+  with pytest.raises(TypeError, match=r"demo.lowered_programs\(step, mode, state, batch\)"):
+    demo.step_programs(None, "ddp", {})

@@ -344,6 +344,13 @@ def co3_record(states: Sequence[Any], found: Sequence[Any], n_params: int, devic
                                           * resend) / len(states), 4)}
 
 
+def step_programs(*args, **kwargs):
+  """Gone: the programs of an overlapped DiLoCo step take other arguments than the step."""
+  raise TypeError("demo.step_programs(step, mode, outer) is gone: use "
+                  "demo.lowered_programs(step, mode, state, batch), which lowers each program "
+                  "and returns (lowered, share of the steps) pairs")
+
+
 def lowered_programs(step: Callable, mode: str, state: Any, batch: Any) -> list[tuple[Any, float]]:
   """The programs a train step runs, lowered, each with its share of the steps: the step
   itself; DiLoCo's inner step and its syncs (and merges) in their shares (`diloco.make_step`)."""
